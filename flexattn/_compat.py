@@ -1,0 +1,171 @@
+"""Every torch-internal API flexattn relies on, in one place.
+
+flexattn supports torch 2.11 (the GPU image) and torch 2.13 (CI). The private APIs it
+uses move between releases; each one is imported or wrapped here, so a version bump is
+one file to fix and the rest of the package reads as if the API were public.
+
+Sections: HOP and tracing utilities, Dynamo internals, Inductor/Triton plumbing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# --------------------------------------------------------------------------------------
+# HOP and tracing utilities
+# --------------------------------------------------------------------------------------
+from torch._C import DispatchKey  # noqa: E402
+from torch._ops import HigherOrderOperator  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch._subclasses.functional_tensor import disable_functional_mode  # noqa: E402
+from torch.fx.experimental.proxy_tensor import (  # noqa: E402
+    ProxyTorchDispatchMode,
+    disable_proxy_modes_tracing,
+    make_fx,
+    track_tensor_tree,
+)
+from torch._dispatch.python import suspend_functionalization  # noqa: E402
+
+
+def reenter_make_fx(fn):
+    """Trace ``fn`` into a GraphModule inside the make_fx session that is running now."""
+    from torch._higher_order_ops.utils import reenter_make_fx as _reenter
+
+    return _reenter(fn)
+
+
+def unique_graph_name(proxy_mode: ProxyTorchDispatchMode, prefix: str) -> str:
+    """A submodule name not yet used on the tracer's root module."""
+    root = proxy_mode.tracer.root
+    i = 0
+    while hasattr(root, f"{prefix}_{i}"):
+        i += 1
+    return f"{prefix}_{i}"
+
+
+def reenable_autograd():
+    """Undo ``_AutoDispatchBelowAutograd`` for a block, so a reference can use autograd.
+
+    A HOP's backward runs below the Autograd key; the dense reference computes its
+    gradients with ``torch.autograd.grad`` and needs that key back.
+    """
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    exclude = exclude.remove(DispatchKey.AutogradFunctionality).remove(DispatchKey.ADInplaceOrView)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def hop_init_kwargs() -> dict[str, Any]:
+    """Keyword arguments for ``HigherOrderOperator.__init__`` understood by this torch."""
+    return {"cacheable": True}
+
+
+# --------------------------------------------------------------------------------------
+# Dynamo internals
+# --------------------------------------------------------------------------------------
+def dynamo_hop_support():
+    """The Dynamo pieces a HOP variable needs, as a namespace.
+
+    Imported lazily: importing torch._dynamo's variable modules at flexattn import time
+    costs seconds and is only needed when Dynamo traces a flexattn call.
+    """
+    from torch._dynamo.variables import higher_order_ops as hoo
+    from torch._dynamo.variables.builder import wrap_fx_proxy
+    from torch._dynamo.variables.lists import TupleVariable
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.utils import proxy_args_kwargs
+
+    class _Support:
+        TorchHigherOrderOperatorVariable = hoo.TorchHigherOrderOperatorVariable
+        speculate_subgraph = staticmethod(hoo.speculate_subgraph)
+        discard_graph_changes = staticmethod(hoo.discard_graph_changes)
+        make_attr = staticmethod(hoo.make_attr)
+        name_to_variable_class = hoo._hop_name_to_variable_class
+        wrap_fx_proxy = staticmethod(wrap_fx_proxy)
+        proxy_args_kwargs = staticmethod(proxy_args_kwargs)
+        TupleVariable = TupleVariable
+        VariableTracker = VariableTracker
+
+    return _Support
+
+
+def build_variable(tx, value, source=None):
+    """``VariableTracker.build`` (both versions spell it the same; kept for one seam)."""
+    from torch._dynamo.variables.base import VariableTracker
+
+    if source is None:
+        return VariableTracker.build(tx, value)
+    return VariableTracker.build(tx, value, source=source)
+
+
+# --------------------------------------------------------------------------------------
+# Inductor / Triton plumbing
+# --------------------------------------------------------------------------------------
+INTERPRETER_BACKEND_TAG = "flexattn-triton-interpreter"
+
+
+def triton_interpreter_requested() -> bool:
+    """True when Triton will run kernels through its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def enable_triton_interpreter() -> None:
+    """Let Inductor compile Triton kernels on a machine without a GPU.
+
+    Inductor hashes generated kernels with the active Triton backend's name; without a
+    GPU there is no active backend and the hash raises. Under the interpreter any fixed
+    string is a correct hash input. ``TRITON_INTERPRET=1`` must be in the environment
+    before triton is imported; this function only patches the hashing.
+    """
+    import torch.utils._triton as triton_utils
+
+    triton_utils.triton_hash_with_backend = lambda: INTERPRETER_BACKEND_TAG
+    triton_utils.triton_backend = lambda: INTERPRETER_BACKEND_TAG
+
+
+@contextlib.contextmanager
+def inductor_cpu_triton():
+    """Within the block Inductor generates Triton (not C++) for CPU tensors."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(cpu_backend="triton"):
+        yield
+
+
+def inductor_cpu_backend() -> str:
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.cpu_backend
+
+
+__all__ = [
+    "DispatchKey",
+    "FakeTensorMode",
+    "HigherOrderOperator",
+    "ProxyTorchDispatchMode",
+    "TORCH_VERSION",
+    "build_variable",
+    "disable_functional_mode",
+    "disable_proxy_modes_tracing",
+    "dynamo_hop_support",
+    "enable_triton_interpreter",
+    "hop_init_kwargs",
+    "inductor_cpu_backend",
+    "inductor_cpu_triton",
+    "make_fx",
+    "reenable_autograd",
+    "reenter_make_fx",
+    "suspend_functionalization",
+    "track_tensor_tree",
+    "triton_interpreter_requested",
+    "unique_graph_name",
+]
+
+# --------------------------------------------------------------------------------------
+# Lowering and templates (owned by the lowering; keep each shim small)
+# --------------------------------------------------------------------------------------

@@ -1,0 +1,660 @@
+"""The flexattn higher-order operators and their dense reference.
+
+``flex_attention_hop`` and ``flex_attention_backward_hop`` are the two operators that
+every flexattn call becomes. A HOP takes functions (score_mod, mask_mod) as well as
+tensors; each dispatch path below says what the operator means there:
+
+* CompositeExplicitAutograd: the dense reference (``dense_flex_attention``). It builds
+  the full score matrix, so it is the definition of correct, not a fast path.
+* FakeTensorMode: output metadata only.
+* ProxyTorchDispatchMode (make_fx, AOT): score_mod and mask_mod are traced into small FX
+  subgraphs of scalar ops and the call is recorded as one node.
+* Functionalization: tensors are unwrapped; a mod that mutates anything is rejected.
+* Autograd: an ``autograd.Function`` whose backward is the backward HOP, fed with a
+  forward graph and a joint (forward+vjp) graph of score_mod.
+* Autocast: q, k, v are cast to the autocast dtype.
+
+Operator contract (the lowering relies on it)::
+
+    out, lse, max_scores = flex_attention_hop(
+        query, key, value, score_mod, block_mask, scale, kernel_options,
+        score_mod_buffers, mask_mod_buffers)
+
+query (B, Hq, L, E); key (Bkv, Hkv, S, E); value (Bkv, Hkv, S, Ev); Bkv in {1, B};
+Hq % Hkv == 0. ``block_mask`` is ``BlockMask.as_tuple()``: ``(q_len, kv_len,
+kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
+q_indices, full_q_num_blocks, full_q_indices, Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)``.
+``out`` is (B, Hq, L, Ev) in query's dtype with query's dimension order (see
+``output_strides``); ``lse`` and ``max_scores`` are float32 (B, Hq, L), natural log,
+``-inf`` on rows where every key is masked (whose ``out`` row is 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from . import _compat
+from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode
+
+# Positions inside the block-mask tuple.
+BM_Q_LEN, BM_KV_LEN = 0, 1
+BM_KV_NUM_BLOCKS, BM_KV_INDICES, BM_FULL_KV_NUM_BLOCKS, BM_FULL_KV_INDICES = 2, 3, 4, 5
+BM_Q_NUM_BLOCKS, BM_Q_INDICES, BM_FULL_Q_NUM_BLOCKS, BM_FULL_Q_INDICES = 6, 7, 8, 9
+BM_Q_BLOCK_SIZE, BM_KV_BLOCK_SIZE, BM_MASK_MOD = 10, 11, 12
+BLOCK_MASK_TUPLE_LEN = 13
+
+
+class MutatingModError(RuntimeError):
+    """A score_mod or mask_mod wrote to a tensor; flexattn mods must be pure."""
+
+
+# --------------------------------------------------------------------------------------
+# The operators
+# --------------------------------------------------------------------------------------
+class FlexAttentionHOP(_compat.HigherOrderOperator):
+    def __init__(self) -> None:
+        super().__init__("flexattn_attention", **_compat.hop_init_kwargs())
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        score_mod: Callable,
+        block_mask: tuple,
+        scale: float,
+        kernel_options: dict[str, Any],
+        score_mod_buffers: tuple = (),
+        mask_mod_buffers: tuple = (),
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        _check_buffers("score_mod_buffers", score_mod_buffers)
+        _check_buffers("mask_mod_buffers", mask_mod_buffers)
+        return super().__call__(
+            query, key, value, score_mod, block_mask, scale, kernel_options,
+            tuple(score_mod_buffers), tuple(mask_mod_buffers),
+        )
+
+
+class FlexAttentionBackwardHOP(_compat.HigherOrderOperator):
+    def __init__(self) -> None:
+        super().__init__("flexattn_attention_backward", **_compat.hop_init_kwargs())
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        out: Tensor,
+        logsumexp: Tensor,
+        grad_out: Tensor,
+        grad_logsumexp: Tensor | None,
+        fw_graph: Callable,
+        joint_graph: Callable,
+        block_mask: tuple,
+        scale: float,
+        kernel_options: dict[str, Any],
+        score_mod_buffers: tuple = (),
+        mask_mod_buffers: tuple = (),
+    ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor | None, ...]]:
+        _check_buffers("score_mod_buffers", score_mod_buffers)
+        _check_buffers("mask_mod_buffers", mask_mod_buffers)
+        return super().__call__(
+            query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
+            joint_graph, block_mask, scale, kernel_options,
+            tuple(score_mod_buffers), tuple(mask_mod_buffers),
+        )
+
+
+flex_attention_hop = FlexAttentionHOP()
+flex_attention_backward_hop = FlexAttentionBackwardHOP()
+
+
+def _check_buffers(name: str, buffers: Sequence) -> None:
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, (Tensor, int, float, bool, torch.SymInt, torch.SymFloat)):
+            raise TypeError(
+                f"flexattn: {name}[{i}] must be a tensor or a Python scalar captured by the "
+                f"mod, got {type(buf).__name__}"
+            )
+
+
+def identity_score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """The score_mod used when the caller gives none."""
+    return score
+
+
+# --------------------------------------------------------------------------------------
+# Running mods elementwise: tensor indexing inside a vmapped mod
+# --------------------------------------------------------------------------------------
+class IndexWithTensors(TorchFunctionMode):
+    """Route ``table[idx]`` with tensor indices to ``aten.index``.
+
+    Inside a mod, ``b``, ``h``, ``q_idx`` and ``kv_idx`` are 0-d tensors. Python's
+    ``Tensor.__getitem__`` turns a 0-d index into an int, which neither vmap nor tracing
+    can do; ``aten.index`` takes it as a tensor, so under this mode a mod may index its
+    captured tables with the index arguments (and with tensors computed from them).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is Tensor.__getitem__:
+            indices = _as_aten_indices(args[1])
+            if indices is not None:
+                return torch.ops.aten.index.Tensor(args[0], indices)
+        return func(*args, **kwargs)
+
+
+def _as_aten_indices(index: Any) -> list[Tensor | None] | None:
+    """The ``aten.index`` form of a getitem index, or None when it has no tensors or
+    uses something ``aten.index`` cannot express (a non-trivial slice, Ellipsis)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not any(isinstance(i, Tensor) for i in items):
+        return None
+    out: list[Tensor | None] = []
+    for item in items:
+        if isinstance(item, Tensor):
+            out.append(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            out.append(torch.tensor(item, dtype=torch.int64))
+        elif isinstance(item, slice) and item == slice(None):
+            out.append(None)
+        else:
+            return None
+    return out
+
+
+def _vmap_over_bhmn(fn: Callable, with_score: bool, num_buffers: int) -> Callable:
+    """Lift a mod on 0-d arguments to one on (B, H, L, S) grids by nested vmaps.
+
+    The innermost vmap runs over kv_idx, the outermost over b; the score (when present)
+    is batched at every level, captured buffers at none.
+    """
+    score_dim = (0,) if with_score else ()
+    per_level = [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]
+    for dims in per_level:
+        fn = torch.vmap(fn, in_dims=score_dim + dims + (None,) * num_buffers, out_dims=0)
+    return fn
+
+
+def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> list[Tensor]:
+    return [torch.arange(n, dtype=torch.int32, device=device) for n in (B, H, L, S)]
+
+
+def apply_score_mod(score_mod: Callable, scores: Tensor, buffers: Sequence) -> Tensor:
+    """score_mod applied to every entry of a (B, H, L, S) score tensor."""
+    B, H, L, S = scores.shape
+    fn = _vmap_over_bhmn(score_mod, True, len(buffers))
+    with IndexWithTensors():
+        return fn(scores, *_index_grid(B, H, L, S, scores.device), *buffers)
+
+
+def apply_mask_mod(mask_mod: Callable, B: int, H: int, L: int, S: int, device, buffers: Sequence) -> Tensor:
+    """mask_mod evaluated on every (b, h, q_idx, kv_idx): a bool (B, H, L, S) tensor."""
+    fn = _vmap_over_bhmn(mask_mod, False, len(buffers))
+    with IndexWithTensors():
+        out = fn(*_index_grid(B, H, L, S, device), *buffers)
+    return out.to(torch.bool).expand(B, H, L, S)
+
+
+# --------------------------------------------------------------------------------------
+# The dense reference
+# --------------------------------------------------------------------------------------
+def block_mask_visibility(block_mask: tuple, B: int, H: int, L: int, S: int, device, mask_mod_buffers: Sequence) -> Tensor:
+    """Which (b, h, q, kv) entries the block mask lets through, as a bool (B, H, L, S).
+
+    This is the kernels' semantics, block for block: a KV block listed as partial for
+    a query block applies mask_mod, a block listed as full lets every entry through, and
+    an unlisted block masks every entry.
+    """
+    kv_num = block_mask[BM_KV_NUM_BLOCKS]
+    kv_idx = block_mask[BM_KV_INDICES]
+    full_num = block_mask[BM_FULL_KV_NUM_BLOCKS]
+    full_idx = block_mask[BM_FULL_KV_INDICES]
+    q_block = block_mask[BM_Q_BLOCK_SIZE]
+    kv_block = block_mask[BM_KV_BLOCK_SIZE]
+    mask_mod = block_mask[BM_MASK_MOD]
+
+    def block_grid(num: Tensor, idx: Tensor) -> Tensor:
+        # (Bm, Hm, QB, KVB) bool: block j listed among the first num[..., i] of row i.
+        n_kv_blocks = idx.shape[-1]
+        listed = torch.arange(n_kv_blocks, device=idx.device) < num[..., None]
+        grid = torch.zeros(idx.shape[:-1] + (max(n_kv_blocks, 1),), dtype=torch.bool, device=idx.device)
+        grid.scatter_(-1, idx.long(), listed)
+        return grid
+
+    def to_entries(grid: Tensor) -> Tensor:
+        grid = grid.repeat_interleave(q_block, dim=-2).repeat_interleave(kv_block, dim=-1)
+        grid = _fit_last_two(grid, L, S)
+        return grid.expand(B, H, L, S)
+
+    partial = to_entries(block_grid(kv_num, kv_idx).to(device))
+    allowed = partial & apply_mask_mod(mask_mod, B, H, L, S, device, mask_mod_buffers)
+    if full_num is not None:
+        allowed = allowed | to_entries(block_grid(full_num, full_idx).to(device))
+    return allowed
+
+
+def _fit_last_two(grid: Tensor, L: int, S: int) -> Tensor:
+    """Crop or zero-pad the last two dims of an entry grid to (L, S)."""
+    grid = grid[..., :L, :S]
+    pad_l, pad_s = L - grid.shape[-2], S - grid.shape[-1]
+    if pad_l or pad_s:
+        grid = torch.nn.functional.pad(grid, (0, pad_s, 0, pad_l), value=False)
+    return grid
+
+
+def _expand_kv(t: Tensor, B: int, Hq: int) -> Tensor:
+    """(Bkv, Hkv, S, D) -> (B, Hq, S, D): broadcast the KV batch, repeat each KV head
+    over the query heads of its group."""
+    group = Hq // t.shape[1]
+    return t.repeat_interleave(group, dim=1).expand(B, Hq, *t.shape[2:])
+
+
+def _working_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dense_math(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    score_mod: Callable,
+    block_mask: tuple,
+    scale: float,
+    score_mod_buffers: Sequence,
+    mask_mod_buffers: Sequence,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention computed the plain way, differentiable by autograd.
+
+    Products are taken in the inputs' dtype and the softmax in float32 (float64 for
+    float64 inputs), with the probabilities cast back before the product with V: the
+    same roundings a fused kernel makes, so that a same-dtype run of this function is a
+    fair yardstick for a kernel's error.
+    """
+    B, Hq, L, _ = query.shape
+    S = key.shape[-2]
+    work = _working_dtype(query.dtype)
+    k = _expand_kv(key, B, Hq)
+    v = _expand_kv(value, B, Hq)
+    scores = (query @ k.transpose(-2, -1)).to(work) * scale
+    scores = apply_score_mod(score_mod, scores, score_mod_buffers).to(work)
+    allowed = block_mask_visibility(block_mask, B, Hq, L, S, query.device, mask_mod_buffers)
+    scores = scores.masked_fill(~allowed, -math.inf)
+
+    row_max = scores.amax(dim=-1)
+    live = allowed.any(dim=-1) & (row_max > -math.inf)
+    safe_max = torch.where(live, row_max, torch.zeros_like(row_max)).detach()
+    p = torch.exp(scores - safe_max[..., None])
+    denom = p.sum(dim=-1)
+    safe_denom = torch.where(live, denom, torch.ones_like(denom))
+    lse = torch.where(live, torch.log(safe_denom) + safe_max, torch.full_like(denom, -math.inf))
+    probs = p / safe_denom[..., None]
+    out = probs.to(query.dtype) @ v
+    out = torch.where(live[..., None], out, torch.zeros_like(out))
+    max_scores = torch.where(live, row_max, torch.full_like(row_max, -math.inf))
+    return out, lse.to(torch.float32), max_scores.to(torch.float32)
+
+
+def output_strides(query: Tensor, ev: int) -> tuple[int, ...]:
+    """Strides of the (B, Hq, L, Ev) output: dense, with query's dimension order.
+
+    A query made by ``x.view(B, L, H, E).transpose(1, 2)`` gives an output laid out as
+    (B, L, H, Ev), so the usual ``out.transpose(1, 2).reshape(B, L, H * Ev)`` is free.
+    """
+    shape = list(query.shape[:-1]) + [ev]
+    # Order dims from outermost to innermost by query's strides; ties keep dim order.
+    order = sorted(range(4), key=lambda d: (-query.stride(d), d))
+    if order[-1] != 3:
+        order = [d for d in order if d != 3] + [3]
+    strides = [0] * 4
+    running = 1
+    for d in reversed(order):
+        strides[d] = running
+        running *= shape[d]
+    return tuple(strides)
+
+
+def _empty_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    B, Hq, L, _ = query.shape
+    ev = value.shape[-1]
+    out = torch.empty_strided((B, Hq, L, ev), output_strides(query, ev), dtype=query.dtype, device=query.device)
+    lse = torch.empty((B, Hq, L), dtype=torch.float32, device=query.device)
+    max_scores = torch.empty((B, Hq, L), dtype=torch.float32, device=query.device)
+    return out, lse, max_scores
+
+
+@flex_attention_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
+def dense_flex_attention(
+    query, key, value, score_mod, block_mask, scale, kernel_options,
+    score_mod_buffers=(), mask_mod_buffers=(),
+):
+    """The reference: ``dense_math`` with its output laid out as the kernels lay it."""
+    out, lse, max_scores = dense_math(
+        query, key, value, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers
+    )
+    result, _, _ = _empty_outputs(query, value)
+    result.copy_(out)
+    return result, lse, max_scores
+
+
+@flex_attention_hop.py_impl(FakeTensorMode)
+def _fake_flex_attention(mode, query, key, value, score_mod, block_mask, scale, kernel_options,
+                         score_mod_buffers=(), mask_mod_buffers=()):
+    with mode:
+        return _empty_outputs(query, value)
+
+
+# --------------------------------------------------------------------------------------
+# Tracing: score_mod and mask_mod become FX subgraphs
+# --------------------------------------------------------------------------------------
+def scalar_examples(query: Tensor, with_score: bool, score_requires_grad: bool = False) -> list[Tensor]:
+    """0-d example arguments for tracing a mod: (score,) b, h, q_idx, kv_idx."""
+    idx = [query.new_zeros((), dtype=torch.int32) for _ in range(4)]
+    if not with_score:
+        return idx
+    score = query.new_zeros((), requires_grad=score_requires_grad)
+    return [score, *idx]
+
+
+def _trace_mods_in(mode: ProxyTorchDispatchMode, query: Tensor, score_mod, block_mask, score_mod_buffers, mask_mod_buffers):
+    with IndexWithTensors():
+        score_graph = _compat.reenter_make_fx(score_mod)(*scalar_examples(query, True), *score_mod_buffers)
+        mask_graph = _compat.reenter_make_fx(block_mask[BM_MASK_MOD])(*scalar_examples(query, False), *mask_mod_buffers)
+    score_name = _compat.unique_graph_name(mode, "flexattn_score_mod")
+    mode.tracer.root.register_module(score_name, score_graph)
+    mask_name = _compat.unique_graph_name(mode, "flexattn_mask_mod")
+    mode.tracer.root.register_module(mask_name, mask_graph)
+    return score_graph, tuple(block_mask[:BM_MASK_MOD]) + (mask_graph,)
+
+
+def _record(mode: ProxyTorchDispatchMode, op, args: tuple, example_out):
+    proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, args)
+    out_proxy = mode.tracer.create_proxy("call_function", op, proxy_args, {}, name=op._name)
+    return _compat.track_tensor_tree(example_out, out_proxy, constant=None, tracer=mode.tracer)
+
+
+@flex_attention_hop.py_impl(ProxyTorchDispatchMode)
+def _proxy_flex_attention(mode, query, key, value, score_mod, block_mask, scale, kernel_options,
+                          score_mod_buffers=(), mask_mod_buffers=()):
+    example_out = flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
+                                     score_mod_buffers, mask_mod_buffers)
+    score_graph, traced_block_mask = _trace_mods_in(mode, query, score_mod, block_mask,
+                                                    score_mod_buffers, mask_mod_buffers)
+    args = (query, key, value, score_graph, traced_block_mask, scale, kernel_options,
+            score_mod_buffers, mask_mod_buffers)
+    return _record(mode, flex_attention_hop, args, example_out)
+
+
+# --------------------------------------------------------------------------------------
+# Functionalization: mods must be pure
+# --------------------------------------------------------------------------------------
+def _mutated_inputs(graph: torch.fx.GraphModule) -> list[str]:
+    """Names of the nodes that ``graph`` writes to in place (inputs or buffers)."""
+    written = []
+    for node in graph.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for arg_schema, arg in zip(schema.arguments, node.args):
+            if arg_schema.alias_info is not None and arg_schema.alias_info.is_write:
+                written.append(str(arg))
+    return written
+
+
+def _plain_copy_like(t: Any) -> Any:
+    """A fresh, non-functional tensor with ``t``'s metadata (values are irrelevant)."""
+    if not isinstance(t, Tensor):
+        return t
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device,
+                               requires_grad=t.requires_grad and t.is_floating_point())
+
+
+def reject_mutating_mod(name: str, mod: Callable, example_args: Sequence) -> None:
+    """Raise ``MutatingModError`` when ``mod`` writes to any tensor in place."""
+    with _compat.suspend_functionalization(), _compat.disable_functional_mode(), \
+            _compat.disable_proxy_modes_tracing(), IndexWithTensors():
+        plain = [_plain_copy_like(a) for a in example_args]
+        graph = _compat.make_fx(mod)(*plain)
+    written = _mutated_inputs(graph)
+    if written:
+        raise MutatingModError(
+            f"flexattn: {name} must be a pure function of its arguments, but it writes in "
+            f"place to {', '.join(written)}. Return a new value instead of mutating "
+            f"(e.g. use `score + x`, not `score.add_(x)` or `table[i] = ...`)."
+        )
+
+
+@flex_attention_hop.py_functionalize_impl
+def _functionalize_flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel_options,
+                                  score_mod_buffers=(), mask_mod_buffers=()):
+    q, k, v = ctx.unwrap_tensors([query, key, value])
+    bm = ctx.unwrap_tensors(block_mask)
+    smb = ctx.unwrap_tensors(score_mod_buffers)
+    mmb = ctx.unwrap_tensors(mask_mod_buffers)
+    reject_mutating_mod("score_mod", score_mod, [*scalar_examples(q, True), *smb])
+    reject_mutating_mod("mask_mod", bm[BM_MASK_MOD], [*scalar_examples(q, False), *mmb])
+    with ctx.redispatch_to_next():
+        functional_score_mod = ctx.functionalize(score_mod)
+        functional_bm = tuple(bm[:BM_MASK_MOD]) + (ctx.functionalize(bm[BM_MASK_MOD]),)
+        out = flex_attention_hop(q, k, v, functional_score_mod, functional_bm, scale, kernel_options,
+                                 tuple(smb), tuple(mmb))
+    return ctx.wrap_tensors(out)
+
+
+# --------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------
+def _grad_capable(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+
+def build_score_mod_graphs(score_mod: Callable, query: Tensor, score_mod_buffers: Sequence):
+    """The forward graph of score_mod and its joint graph.
+
+    ``fw_graph(score, b, h, q_idx, kv_idx, *buffers) -> score``.
+    ``joint_graph(score, b, h, q_idx, kv_idx, grad_score_out, *buffers) ->
+    (grad_score, *grad_buffers)``, where a buffer that does not require grad gets None.
+    The backward kernels inline the joint graph to turn dP-scaled scores into gradients
+    of the raw scores and scatter the buffer gradients.
+    """
+    wants_grad = [_grad_capable(b) for b in score_mod_buffers]
+
+    def joint(score, b, h, q_idx, kv_idx, grad_score_out, *buffers):
+        with torch.enable_grad():
+            leaves = [score] + [buf for buf, w in zip(buffers, wants_grad) if w]
+            modded = score_mod(score, b, h, q_idx, kv_idx, *buffers)
+            grads = torch.autograd.grad(modded, leaves, grad_score_out, allow_unused=True,
+                                        materialize_grads=True)
+        grads_iter = iter(grads[1:])
+        buffer_grads = [next(grads_iter) if w else None for w in wants_grad]
+        return (grads[0], *buffer_grads)
+
+    with _compat.suspend_functionalization(), _compat.disable_functional_mode(), \
+            _compat.disable_proxy_modes_tracing(), IndexWithTensors():
+        buffers = [_plain_copy_like(b) for b in score_mod_buffers]
+        fw_examples = scalar_examples(query, True)
+        fw_graph = _compat.make_fx(score_mod)(*fw_examples, *buffers)
+        joint_examples = scalar_examples(query, True, score_requires_grad=True)
+        grad_example = query.new_zeros(())
+        joint_graph = _compat.make_fx(joint)(*joint_examples, grad_example, *buffers)
+    return fw_graph, joint_graph
+
+
+class FlexAttentionAutogradOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
+                mask_mod_buffers, *score_mod_buffers):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse, max_scores = flex_attention_hop(
+                query, key, value, fw_graph, block_mask, scale, kernel_options,
+                score_mod_buffers, mask_mod_buffers,
+            )
+        ctx.mark_non_differentiable(max_scores)
+        ctx._fw_graph = fw_graph
+        ctx._joint_graph = joint_graph
+        ctx._scale = scale
+        ctx._kernel_options = kernel_options
+        ctx._block_mask_layout = [isinstance(x, Tensor) for x in block_mask]
+        ctx._block_mask_constants = [None if isinstance(x, Tensor) else x for x in block_mask]
+        ctx._num_score_buffers = len(score_mod_buffers)
+        bm_tensors = [x for x in block_mask if isinstance(x, Tensor)]
+        ctx._num_bm_tensors = len(bm_tensors)
+        ctx.save_for_backward(query, key, value, out, lse, *bm_tensors, *score_mod_buffers, *mask_mod_buffers)
+        return out, lse, max_scores
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, grad_max_scores):
+        saved = list(ctx.saved_tensors)
+        query, key, value, out, lse = saved[:5]
+        rest = saved[5:]
+        bm_tensors = iter(rest[: ctx._num_bm_tensors])
+        rest = rest[ctx._num_bm_tensors:]
+        score_mod_buffers = tuple(rest[: ctx._num_score_buffers])
+        mask_mod_buffers = tuple(rest[ctx._num_score_buffers:])
+        block_mask = tuple(
+            next(bm_tensors) if is_tensor else const
+            for is_tensor, const in zip(ctx._block_mask_layout, ctx._block_mask_constants)
+        )
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grad_q, grad_k, grad_v, grad_buffers = flex_attention_backward_hop(
+            query, key, value, out, lse, grad_out, grad_lse, ctx._fw_graph, ctx._joint_graph,
+            block_mask, ctx._scale, ctx._kernel_options, score_mod_buffers, mask_mod_buffers,
+        )
+        return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grad_buffers)
+
+
+@flex_attention_hop.py_impl(DispatchKey.Autograd)
+def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
+                             score_mod_buffers=(), mask_mod_buffers=()):
+    needs_grad = torch.is_grad_enabled() and any(
+        _grad_capable(t) for t in (query, key, value, *score_mod_buffers)
+    )
+    if not needs_grad:
+        with torch._C._AutoDispatchBelowAutograd():
+            return flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
+                                      score_mod_buffers, mask_mod_buffers)
+    fw_graph, joint_graph = build_score_mod_graphs(score_mod, query, score_mod_buffers)
+    return FlexAttentionAutogradOp.apply(
+        query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
+        tuple(mask_mod_buffers), *score_mod_buffers,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Autocast
+# --------------------------------------------------------------------------------------
+def _autocast(device_type: str, key: DispatchKey):
+    def impl(query, key_, value, score_mod, block_mask, scale, kernel_options,
+             score_mod_buffers=(), mask_mod_buffers=()):
+        dtype = torch.get_autocast_dtype(device_type)
+        if query.is_floating_point() and query.dtype != torch.float64:
+            query, key_, value = (t.to(dtype) for t in (query, key_, value))
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return flex_attention_hop(query, key_, value, score_mod, block_mask, scale, kernel_options,
+                                      score_mod_buffers, mask_mod_buffers)
+
+    return impl
+
+
+flex_attention_hop.py_impl(DispatchKey.AutocastCUDA)(_autocast("cuda", DispatchKey.AutocastCUDA))
+flex_attention_hop.py_impl(DispatchKey.AutocastCPU)(_autocast("cpu", DispatchKey.AutocastCPU))
+
+
+# --------------------------------------------------------------------------------------
+# The backward operator
+# --------------------------------------------------------------------------------------
+@flex_attention_backward_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
+def dense_flex_attention_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp,
+                                  fw_graph, joint_graph, block_mask, scale, kernel_options,
+                                  score_mod_buffers=(), mask_mod_buffers=()):
+    """Reference gradients: autograd through ``dense_math`` with the forward graph.
+
+    The joint graph is not needed here (autograd derives the same vjp); it is part of
+    the contract for the fused kernels.
+    """
+    wants = [_grad_capable(b) for b in score_mod_buffers]
+    with _compat.reenable_autograd(), torch.enable_grad():
+        q = query.detach().requires_grad_(True)
+        k = key.detach().requires_grad_(True)
+        v = value.detach().requires_grad_(True)
+        buffers = [b.detach().requires_grad_(True) if w else b for b, w in zip(score_mod_buffers, wants)]
+        o, lse, _ = dense_math(q, k, v, fw_graph, block_mask, scale, buffers, mask_mod_buffers)
+        outputs, cotangents = [o], [grad_out]
+        if grad_logsumexp is not None:
+            outputs.append(lse)
+            cotangents.append(grad_logsumexp)
+        leaves = [q, k, v] + [b for b, w in zip(buffers, wants) if w]
+        grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True, materialize_grads=True)
+    grads_iter = iter(grads[3:])
+    grad_buffers = tuple(next(grads_iter) if w else None for w in wants)
+    return grads[0], grads[1], grads[2], grad_buffers
+
+
+def _empty_backward_outputs(query, key, value, score_mod_buffers):
+    grad_buffers = tuple(torch.empty_like(b) if _grad_capable(b) else None for b in score_mod_buffers)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_buffers
+
+
+@flex_attention_backward_hop.py_impl(FakeTensorMode)
+def _fake_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
+                                  fw_graph, joint_graph, block_mask, scale, kernel_options,
+                                  score_mod_buffers=(), mask_mod_buffers=()):
+    with mode:
+        return _empty_backward_outputs(query, key, value, score_mod_buffers)
+
+
+@flex_attention_backward_hop.py_impl(ProxyTorchDispatchMode)
+def _proxy_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
+                                   fw_graph, joint_graph, block_mask, scale, kernel_options,
+                                   score_mod_buffers=(), mask_mod_buffers=()):
+    example_out = flex_attention_backward_hop(
+        query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
+        block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers,
+    )
+    with IndexWithTensors():
+        fw = _compat.reenter_make_fx(fw_graph)(*scalar_examples(query, True), *score_mod_buffers)
+        joint = _compat.reenter_make_fx(joint_graph)(
+            *scalar_examples(query, True), query.new_zeros(()), *score_mod_buffers
+        )
+        mask_graph = _compat.reenter_make_fx(block_mask[BM_MASK_MOD])(
+            *scalar_examples(query, False), *mask_mod_buffers
+        )
+    for prefix, gm in (("flexattn_fw_graph", fw), ("flexattn_joint_graph", joint), ("flexattn_mask_mod", mask_graph)):
+        mode.tracer.root.register_module(_compat.unique_graph_name(mode, prefix), gm)
+    traced_block_mask = tuple(block_mask[:BM_MASK_MOD]) + (mask_graph,)
+    args = (query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw, joint, traced_block_mask,
+            scale, kernel_options, score_mod_buffers, mask_mod_buffers)
+    return _record(mode, flex_attention_backward_hop, args, example_out)
+
+
+@flex_attention_backward_hop.py_functionalize_impl
+def _functionalize_flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
+                                           fw_graph, joint_graph, block_mask, scale, kernel_options,
+                                           score_mod_buffers=(), mask_mod_buffers=()):
+    unwrapped = ctx.unwrap_tensors([query, key, value, out, logsumexp, grad_out])
+    g_lse = ctx.unwrap_tensors(grad_logsumexp) if grad_logsumexp is not None else None
+    bm = ctx.unwrap_tensors(block_mask)
+    smb = ctx.unwrap_tensors(score_mod_buffers)
+    mmb = ctx.unwrap_tensors(mask_mod_buffers)
+    with ctx.redispatch_to_next():
+        functional_bm = tuple(bm[:BM_MASK_MOD]) + (ctx.functionalize(bm[BM_MASK_MOD]),)
+        grads = flex_attention_backward_hop(
+            *unwrapped, g_lse, ctx.functionalize(fw_graph), ctx.functionalize(joint_graph),
+            functional_bm, scale, kernel_options, tuple(smb), tuple(mmb),
+        )
+    return ctx.wrap_tensors(grads)
+
+
+@flex_attention_backward_hop.py_impl(DispatchKey.Autograd)
+def _autograd_flex_attention_backward(*args):
+    """Gradients of gradients are not supported: the backward runs below autograd, so
+    its results carry no graph and a second-order request fails as for any constant."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return flex_attention_backward_hop(*args)
