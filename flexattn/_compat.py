@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from typing import Any
 
 import torch
@@ -77,21 +78,18 @@ def dynamo_hop_support():
     from torch._dynamo.variables import higher_order_ops as hoo
     from torch._dynamo.variables.builder import wrap_fx_proxy
     from torch._dynamo.variables.lists import TupleVariable
-    from torch._dynamo.variables.base import VariableTracker
     from torch._dynamo.utils import proxy_args_kwargs
 
-    class _Support:
-        TorchHigherOrderOperatorVariable = hoo.TorchHigherOrderOperatorVariable
-        speculate_subgraph = staticmethod(hoo.speculate_subgraph)
-        discard_graph_changes = staticmethod(hoo.discard_graph_changes)
-        make_attr = staticmethod(hoo.make_attr)
-        name_to_variable_class = hoo._hop_name_to_variable_class
-        wrap_fx_proxy = staticmethod(wrap_fx_proxy)
-        proxy_args_kwargs = staticmethod(proxy_args_kwargs)
-        TupleVariable = TupleVariable
-        VariableTracker = VariableTracker
-
-    return _Support
+    return types.SimpleNamespace(
+        TorchHigherOrderOperatorVariable=hoo.TorchHigherOrderOperatorVariable,
+        speculate_subgraph=hoo.speculate_subgraph,
+        discard_graph_changes=hoo.discard_graph_changes,
+        make_attr=hoo.make_attr,
+        name_to_variable_class=hoo._hop_name_to_variable_class,
+        wrap_fx_proxy=wrap_fx_proxy,
+        proxy_args_kwargs=proxy_args_kwargs,
+        TupleVariable=TupleVariable,
+    )
 
 
 def build_variable(tx, value, source=None):

@@ -407,12 +407,14 @@ def _mutated_inputs(graph: torch.fx.GraphModule) -> list[str]:
     return written
 
 
-def _plain_copy_like(t: Any) -> Any:
+def _plain_copy_like(t: Any, requires_grad: bool | None = None) -> Any:
     """A fresh, non-functional tensor with ``t``'s metadata (values are irrelevant)."""
     if not isinstance(t, Tensor):
         return t
+    if requires_grad is None:
+        requires_grad = t.requires_grad and t.is_floating_point()
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device,
-                               requires_grad=t.requires_grad and t.is_floating_point())
+                               requires_grad=requires_grad)
 
 
 def reject_mutating_mod(name: str, mod: Callable, example_args: Sequence) -> None:
@@ -478,6 +480,7 @@ def build_score_mod_graphs(score_mod: Callable, query: Tensor, score_mod_buffers
     with _compat.suspend_functionalization(), _compat.disable_functional_mode(), \
             _compat.disable_proxy_modes_tracing(), IndexWithTensors():
         buffers = [_plain_copy_like(b) for b in score_mod_buffers]
+        query = _plain_copy_like(query, requires_grad=False)
         fw_examples = scalar_examples(query, True)
         fw_graph = _compat.make_fx(score_mod)(*fw_examples, *buffers)
         joint_examples = scalar_examples(query, True, score_requires_grad=True)
@@ -579,7 +582,7 @@ def dense_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
     The joint graph is not needed here (autograd derives the same vjp); it is part of
     the contract for the fused kernels.
     """
-    wants = [_grad_capable(b) for b in score_mod_buffers]
+    wants = buffers_with_grad(joint_graph, len(score_mod_buffers))
     with _compat.reenable_autograd(), torch.enable_grad():
         q = query.detach().requires_grad_(True)
         k = key.detach().requires_grad_(True)
@@ -597,8 +600,27 @@ def dense_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
     return grads[0], grads[1], grads[2], grad_buffers
 
 
-def _empty_backward_outputs(query, key, value, score_mod_buffers):
-    grad_buffers = tuple(torch.empty_like(b) if _grad_capable(b) else None for b in score_mod_buffers)
+def buffers_with_grad(joint_graph: torch.fx.GraphModule, num_buffers: int) -> list[bool]:
+    """Which score_mod buffers get a gradient: those whose joint-graph output is not None.
+
+    The joint graph fixes this when it is built (from ``requires_grad`` at forward time),
+    so the backward never has to guess from the tensors it is handed.
+    """
+    output = next(n for n in joint_graph.graph.nodes if n.op == "output")
+    results = output.args[0]
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    buffer_results = list(results[1:])
+    if len(buffer_results) != num_buffers:
+        raise RuntimeError(
+            f"flexattn: the joint graph returns {len(buffer_results)} buffer gradients for "
+            f"{num_buffers} score_mod buffers"
+        )
+    return [r is not None for r in buffer_results]
+
+
+def _empty_backward_outputs(query, key, value, score_mod_buffers, joint_graph):
+    wants = buffers_with_grad(joint_graph, len(score_mod_buffers))
+    grad_buffers = tuple(torch.empty_like(b) if w else None for b, w in zip(score_mod_buffers, wants))
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_buffers
 
 
@@ -607,7 +629,7 @@ def _fake_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_
                                   fw_graph, joint_graph, block_mask, scale, kernel_options,
                                   score_mod_buffers=(), mask_mod_buffers=()):
     with mode:
-        return _empty_backward_outputs(query, key, value, score_mod_buffers)
+        return _empty_backward_outputs(query, key, value, score_mod_buffers, joint_graph)
 
 
 @flex_attention_backward_hop.py_impl(ProxyTorchDispatchMode)
@@ -646,7 +668,7 @@ def _functionalize_flex_attention_backward(ctx, query, key, value, out, logsumex
     with ctx.redispatch_to_next():
         functional_bm = tuple(bm[:BM_MASK_MOD]) + (ctx.functionalize(bm[BM_MASK_MOD]),)
         grads = flex_attention_backward_hop(
-            *unwrapped, g_lse, ctx.functionalize(fw_graph), ctx.functionalize(joint_graph),
+            *unwrapped, g_lse, fw_graph, joint_graph,
             functional_bm, scale, kernel_options, tuple(smb), tuple(mmb),
         )
     return ctx.wrap_tensors(grads)

@@ -1,0 +1,127 @@
+"""Teach Dynamo to capture ``flex_attention_hop`` whole, with no graph break.
+
+Dynamo meets the HOP with Python functions as arguments (score_mod, and mask_mod at
+the end of the block-mask tuple). For each, it speculates the function on 0-d example
+arguments, which yields an FX subgraph of scalar ops plus the tensors the function
+closes over (bias tables, document ids, learnable parameters). Those free tensors are
+lifted into explicit buffer arguments of the HOP node, so the graph says exactly what
+each mod reads, and autograd and Inductor can treat them as ordinary inputs.
+
+Registration is one entry in Dynamo's table from HOP name to variable class; it is done
+when flexattn is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _compat
+from ._hop import BM_MASK_MOD, BLOCK_MASK_TUPLE_LEN, IndexWithTensors, flex_attention_hop
+
+_HOP_ARG_NAMES = (
+    "query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options",
+    "score_mod_buffers", "mask_mod_buffers",
+)
+
+_registered = False
+
+
+def _bind_args(args, kwargs) -> dict:
+    bound = dict(zip(_HOP_ARG_NAMES, args))
+    for name, value in kwargs.items():
+        if name in bound:
+            raise TypeError(f"flexattn: flex_attention_hop got argument {name!r} twice")
+        bound[name] = value
+    missing = [n for n in _HOP_ARG_NAMES[:7] if n not in bound]
+    if missing:
+        raise TypeError(f"flexattn: flex_attention_hop is missing arguments {missing}")
+    return bound
+
+
+def _make_variable_class():
+    support = _compat.dynamo_hop_support()
+
+    class FlexAttnHOPVariable(support.TorchHigherOrderOperatorVariable):
+        """Dynamo's view of a ``flex_attention_hop`` call."""
+
+        _HOP_NAME = "flexattn_attention"
+
+        def _speculate_mod(self, tx, query, fn, with_score: bool, name: str):
+            """Trace ``fn`` on 0-d examples; return (subgraph attribute, lifted tensors)."""
+            build = _compat.build_variable
+
+            def scalar(**kwargs):
+                return query.call_method(tx, "new_empty", [build(tx, [])], {k: build(tx, v) for k, v in kwargs.items()})
+
+            with support.discard_graph_changes(tx):
+                examples = [scalar(dtype=torch.int32) for _ in range(4)]
+                if with_score:
+                    examples.insert(0, scalar(requires_grad=bool(getattr(query, "requires_grad", False))))
+
+            with IndexWithTensors():
+                (body_out, _spec), body_graph, lifted = support.speculate_subgraph(
+                    tx, fn, examples, {},
+                    description=f"flexattn {name}",
+                    source_target=self.value,
+                    set_subgraph_inputs="flatten_manual",
+                )
+            _check_mod_output(name, body_out)
+            attr_name = tx.output.install_subgraph(name, torch.fx.GraphModule(tx.output.nn_modules, body_graph))
+            return support.make_attr(tx, attr_name), tuple(lifted)
+
+        def _call_function(self, tx, args, kwargs):
+            bound = _bind_args(list(args), dict(kwargs))
+            for extra in ("score_mod_buffers", "mask_mod_buffers"):
+                if extra in bound and len(getattr(bound[extra], "items", ())) != 0:
+                    raise TypeError(
+                        f"flexattn: under torch.compile pass captured tensors by closing over "
+                        f"them in the mod, not through {extra}"
+                    )
+            query = bound["query"]
+            block_mask = bound["block_mask"]
+            items = list(block_mask.items)
+            if len(items) != BLOCK_MASK_TUPLE_LEN:
+                raise TypeError(
+                    f"flexattn: block_mask must be BlockMask.as_tuple() with {BLOCK_MASK_TUPLE_LEN} "
+                    f"entries, got {len(items)}"
+                )
+            score_node, score_lifted = self._speculate_mod(tx, query, bound["score_mod"], True, "score_mod")
+            mask_node, mask_lifted = self._speculate_mod(tx, query, items[BM_MASK_MOD], False, "mask_mod")
+
+            proxied = [
+                bound["query"], bound["key"], bound["value"],
+                support.TupleVariable(items[:BM_MASK_MOD]), bound["scale"], bound["kernel_options"],
+            ]
+            (q, k, v, bm, scale, kernel_options), _ = support.proxy_args_kwargs(proxied, {})
+            proxy = tx.output.create_proxy(
+                "call_function",
+                self.value,
+                args=(q, k, v, score_node, tuple(bm) + (mask_node,), scale, kernel_options,
+                      score_lifted, mask_lifted),
+                kwargs={},
+            )
+            return support.wrap_fx_proxy(tx=tx, proxy=proxy, example_value=None)
+
+    return FlexAttnHOPVariable
+
+
+def _check_mod_output(name: str, body_out) -> None:
+    """A mod maps one entry to one value: its output must be a 0-d tensor."""
+    proxy = getattr(body_out, "proxy", None)
+    example = proxy.node.meta.get("example_value") if proxy is not None else None
+    if isinstance(example, torch.Tensor) and example.dim() != 0:
+        raise ValueError(
+            f"flexattn: {name} must return one value per (b, h, q_idx, kv_idx): a 0-d tensor, "
+            f"but it returned shape {tuple(example.shape)}. Reductions and broadcasts over "
+            f"captured tensors are not allowed inside a mod."
+        )
+
+
+def register() -> None:
+    """Add flexattn's HOP to Dynamo's table (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    support = _compat.dynamo_hop_support()
+    support.name_to_variable_class[flex_attention_hop.__name__] = _make_variable_class()
+    _registered = True
