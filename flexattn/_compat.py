@@ -92,6 +92,13 @@ def dynamo_hop_support():
     )
 
 
+def unlimited_recompiles():
+    """Lift Dynamo's recompile limit for a block (the eager path compiles per signature)."""
+    from torch._dynamo.utils import disable_cache_limit
+
+    return disable_cache_limit()
+
+
 def build_variable(tx, value, source=None):
     """``VariableTracker.build`` (both versions spell it the same; kept for one seam)."""
     from torch._dynamo.variables.base import VariableTracker
@@ -162,8 +169,27 @@ __all__ = [
     "track_tensor_tree",
     "triton_interpreter_requested",
     "unique_graph_name",
+    "unlimited_recompiles",
 ]
 
 # --------------------------------------------------------------------------------------
 # Lowering and templates (owned by the lowering; keep each shim small)
 # --------------------------------------------------------------------------------------
+
+
+def float32_matmul_allows_tf32() -> bool:
+    """Whether torch's float32 matmul setting permits TF32 (new ``fp32_precision`` API
+    first, then ``torch.get_float32_matmul_precision`` / ``allow_tf32``)."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    if precision not in (None, "none"):
+        return precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def autotune_select_node(name, choices, input_nodes, layout, input_gen_fns=None):
+    """``autotune_select_algorithm``'s chosen output node. torch 2.13 returns
+    ``(node, choice)``, torch 2.11 the node alone."""
+    from torch._inductor.select_algorithm import autotune_select_algorithm
+
+    result = autotune_select_algorithm(name, choices, input_nodes, layout, input_gen_fns=input_gen_fns)
+    return result[0] if isinstance(result, tuple) else result

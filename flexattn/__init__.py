@@ -1,0 +1,35 @@
+"""flexattn: FlexAttention as a torch.compile / Inductor plugin.
+
+Write an attention variant as a tiny ``score_mod(score, b, h, q_idx, kv_idx)`` and/or
+``mask_mod(b, h, q_idx, kv_idx)``; flexattn captures it under ``torch.compile`` and runs
+it as fused, block-sparse kernels. The API mirrors ``torch.nn.attention.flex_attention``.
+"""
+
+from . import _dynamo_capture
+from .api import AuxOutput, AuxRequest, flex_attention
+from .block_mask import (
+    BlockMask,
+    and_masks,
+    create_block_mask,
+    create_mask,
+    noop_mask,
+    or_masks,
+)
+from . import mods
+
+_dynamo_capture.register()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuxOutput",
+    "AuxRequest",
+    "BlockMask",
+    "and_masks",
+    "create_block_mask",
+    "create_mask",
+    "flex_attention",
+    "mods",
+    "noop_mask",
+    "or_masks",
+]

@@ -1,0 +1,305 @@
+"""``flex_attention``: the public entry point, argument checks and the eager path.
+
+Same names, argument names, defaults and results as
+``torch.nn.attention.flex_attention.flex_attention``, so moving code between the two is
+a change of import. The function validates every input with an error that names the
+argument, fills defaults, turns the BlockMask into the operator's tuple and calls
+``flex_attention_hop``.
+
+Under ``torch.compile`` the call is captured whole (see ``_dynamo_capture``). Called
+eagerly, it compiles the operator itself, once per input signature, so eager users get
+the same fused kernels: with Inductor on CUDA (and on CPU when Inductor's CPU backend is
+Triton), and with Dynamo's eager backend on CPU otherwise, where the operator's dense
+implementation is the CPU path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import _compat
+from ._hop import flex_attention_hop, identity_score_mod
+from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, noop_mask
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+# kernel_options understood by flexattn, with their defaults. Tile keys (BLOCK_M, ...) have
+# no default here: the lowering's config tables choose them unless the caller does.
+DEFAULT_KERNEL_OPTIONS: dict[str, Any] = {
+    "PRESCALE_QK": False,
+    "ROWS_GUARANTEED_SAFE": False,
+    "BLOCKS_ARE_CONTIGUOUS": False,
+    "OUTPUT_LOGSUMEXP": True,
+    "OUTPUT_MAX": False,
+}
+TILE_KERNEL_OPTIONS = frozenset({
+    "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+    "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
+    "fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_warps", "fwd_num_stages",
+    "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_warps", "bwd_num_stages",
+    "FORCE_USE_FLEX_ATTENTION", "FORCE_DECODE", "SPLIT_KV", "DETERMINISTIC", "USE_TMA",
+    "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG",
+})
+KNOWN_KERNEL_OPTIONS = frozenset(DEFAULT_KERNEL_OPTIONS) | TILE_KERNEL_OPTIONS
+
+
+@dataclass(frozen=True)
+class AuxRequest:
+    """Which auxiliary results ``flex_attention(..., return_aux=AuxRequest(...))`` returns.
+
+    lse: the log-sum-exp of each query row's scores (natural log, float32, (B, H, L)).
+    max_scores: the largest modified score of each query row (float32, (B, H, L)).
+    """
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """Auxiliary results; a field not requested is None."""
+
+    lse: Tensor | None = None
+    max_scores: Tensor | None = None
+
+
+# --------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------
+def _shape(t: Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flexattn: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "(B, H, L, E)" if name == "query" else "(B, Hkv, S, E)" if name == "key" else "(B, Hkv, S, Ev)"
+            raise ValueError(f"flexattn: {name} must be 4-D {layout}, got shape {_shape(t)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"flexattn: {name} must have a floating dtype in "
+                f"{[str(d) for d in SUPPORTED_DTYPES]}, got {t.dtype}"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"flexattn: query, key and value must share one dtype, got query {query.dtype}, "
+            f"key {key.dtype}, value {value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            f"flexattn: query, key and value must be on one device, got query on {query.device}, "
+            f"key on {key.device}, value on {value.device}"
+        )
+    B, Hq, _, E = query.shape
+    Bk, Hk, S, Ek = key.shape
+    Bv, Hv, Sv, _ = value.shape
+    if Ek != E:
+        raise ValueError(f"flexattn: key's head dim must equal query's ({E}), got key shape {_shape(key)}")
+    if (Bk, Hk, S) != (Bv, Hv, Sv):
+        raise ValueError(
+            f"flexattn: key and value must agree in batch, heads and length, got key "
+            f"{_shape(key)} and value {_shape(value)}"
+        )
+    if Bk not in (1, B):
+        raise ValueError(
+            f"flexattn: key/value batch must be 1 (broadcast) or query's batch {B}, got {Bk}"
+        )
+    if Hk == 0 or (Hq != Hk and not enable_gqa):
+        raise ValueError(
+            f"flexattn: query has {Hq} heads and key/value {Hk}; different head counts need "
+            f"enable_gqa=True (grouped-query attention)"
+        )
+    if Hq % Hk != 0:
+        raise ValueError(
+            f"flexattn: with enable_gqa, query heads ({Hq}) must be a multiple of key/value "
+            f"heads ({Hk})"
+        )
+    for name, d in (("query/key head dim E", E), ("value head dim Ev", value.shape[-1])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"flexattn: {name} must be between 1 and {MAX_HEAD_DIM}, got {d}")
+
+
+def _positional_arity(fn: Callable) -> int | None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+
+
+def _check_mod(name: str, fn: Any, arity: int, signature: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"flexattn: {name} must be callable {signature}, got {type(fn).__name__}")
+    if torch.compiler.is_compiling():
+        return  # Dynamo checks the call when it speculates the mod
+    n = _positional_arity(fn)
+    if n is not None and n != arity:
+        raise TypeError(f"flexattn: {name} must take {arity} arguments {signature}, but it takes {n}")
+
+
+def _check_block_mask(block_mask: Any, query: Tensor, key: Tensor) -> BlockMask:
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"flexattn: block_mask must be a flexattn.BlockMask (from create_block_mask), "
+            f"got {type(block_mask).__name__}"
+        )
+    B, Hq, L, _ = query.shape
+    S = key.shape[-2]
+    Bm, Hm = block_mask.kv_num_blocks.shape[:2]
+    if Bm not in (1, B) or Hm not in (1, Hq):
+        raise ValueError(
+            f"flexattn: block_mask has batch {Bm} and heads {Hm}; expected batch 1 or {B} and "
+            f"heads 1 or {Hq} (query's)"
+        )
+    if block_mask.kv_num_blocks.device != query.device:
+        raise ValueError(
+            f"flexattn: block_mask is on {block_mask.kv_num_blocks.device} but query is on "
+            f"{query.device}; move it with block_mask.to(query.device)"
+        )
+    mask_q, mask_kv = block_mask.seq_lengths
+    if (mask_q, mask_kv) != (L, S):
+        if mask_q < L or mask_kv < S:
+            raise ValueError(
+                f"flexattn: block_mask was made for (Q_LEN, KV_LEN) = ({mask_q}, {mask_kv}) but "
+                f"query/key have ({L}, {S}); build it for at least those lengths"
+            )
+        block_mask = block_mask._adjust(L, S)
+    return block_mask
+
+
+def _check_kernel_options(kernel_options: Any) -> dict[str, Any]:
+    if kernel_options is None:
+        return {}
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"flexattn: kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    unknown = sorted(set(kernel_options) - KNOWN_KERNEL_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"flexattn: unknown kernel_options {unknown}; known keys are {sorted(KNOWN_KERNEL_OPTIONS)}"
+        )
+    return dict(kernel_options)
+
+
+def _full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
+    """A BlockMask in which every KV block is fully visible to every query block."""
+    L, S = query.shape[-2], key.shape[-2]
+    block = DEFAULT_BLOCK_SIZE
+    q_blocks, kv_blocks = math.ceil(L / block), math.ceil(S / block)
+    device = query.device
+    empty = torch.zeros(1, 1, q_blocks, dtype=torch.int32, device=device)
+    order = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(1, 1, q_blocks, kv_blocks)
+    full = torch.full((1, 1, q_blocks), kv_blocks, dtype=torch.int32, device=device)
+    return BlockMask.from_kv_blocks(
+        empty, order.contiguous(), full, order.contiguous(), BLOCK_SIZE=block,
+        mask_mod=noop_mask, seq_lengths=(L, S),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Eager path: compile the operator once per signature
+# --------------------------------------------------------------------------------------
+def _call_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options):
+    return flex_attention_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)
+
+
+def _eager_backend(device: torch.device) -> str:
+    if device.type == "cpu" and _compat.inductor_cpu_backend() != "triton":
+        return "eager"
+    return "inductor"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_hop(backend: str) -> Callable:
+    return torch.compile(_call_hop, backend=backend, fullgraph=True, dynamic=False)
+
+
+def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_options):
+    backend = _eager_backend(query.device)
+    with _compat.unlimited_recompiles():
+        return _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)
+
+
+# --------------------------------------------------------------------------------------
+# The public function
+# --------------------------------------------------------------------------------------
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    score_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict[str, Any] | None = None,
+    *,
+    return_aux: AuxRequest | None = None,
+):
+    """Attention with a user-defined score modification and block-sparse mask.
+
+    ``out[b, h, i] = sum_j softmax_j(score_mod(scale * q_i . k_j, b, h, i, j)) v_j`` over
+    the (i, j) the block mask allows.
+
+    Args:
+        query: (B, H, L, E). key: (Bkv, Hkv, S, E). value: (Bkv, Hkv, S, Ev). Bkv is 1 or B.
+        score_mod: ``(score, b, h, q_idx, kv_idx) -> score``, applied to every entry; it
+            may read tensors it closes over (indexed by b, h, q_idx, kv_idx).
+        block_mask: from ``create_block_mask``; None means every entry is visible.
+        scale: the factor on q . k; defaults to 1/sqrt(E).
+        enable_gqa: allow H to be a multiple of Hkv (grouped-query attention).
+        return_lse: also return the log-sum-exp (kept for compatibility; prefer return_aux).
+        kernel_options: tuning and behaviour switches for the kernels (see the docs).
+        return_aux: ``AuxRequest(lse=..., max_scores=...)``.
+
+    Returns:
+        out (B, H, L, Ev) in query's dtype; ``(out, lse)`` with return_lse; ``(out,
+        AuxOutput)`` with return_aux.
+    """
+    _check_qkv(query, key, value, enable_gqa)
+    if return_lse and return_aux is not None:
+        raise ValueError("flexattn: pass either return_lse or return_aux, not both")
+    if return_aux is not None and not isinstance(return_aux, AuxRequest):
+        raise TypeError(f"flexattn: return_aux must be an AuxRequest, got {type(return_aux).__name__}")
+    if score_mod is None:
+        score_mod = identity_score_mod
+    _check_mod("score_mod", score_mod, 5, "(score, b, h, q_idx, kv_idx)")
+    if block_mask is None:
+        block_mask = _full_block_mask(query, key)
+    block_mask = _check_block_mask(block_mask, query, key)
+    _check_mod("block_mask.mask_mod", block_mask.mask_mod, 4, "(b, h, q_idx, kv_idx)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.size(-1))
+    elif not isinstance(scale, (int, float)):
+        raise TypeError(f"flexattn: scale must be a float or None, got {type(scale).__name__}")
+
+    options = {**DEFAULT_KERNEL_OPTIONS, **_check_kernel_options(kernel_options)}
+    want_lse = return_lse or (return_aux is not None and return_aux.lse)
+    want_max = return_aux is not None and return_aux.max_scores
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if "OUTPUT_LOGSUMEXP" not in (kernel_options or {}):
+        options["OUTPUT_LOGSUMEXP"] = bool(want_lse or needs_grad)
+    options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
+
+    args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)
+    if torch.compiler.is_compiling():
+        out, lse, max_scores = flex_attention_hop(*args)
+    else:
+        out, lse, max_scores = _run_eagerly(*args)
+
+    if return_lse:
+        return out, lse
+    if return_aux is not None:
+        return out, AuxOutput(lse if return_aux.lse else None, max_scores if return_aux.max_scores else None)
+    return out
+
