@@ -1,0 +1,44 @@
+"""Test set-up shared by every test file.
+
+Device: CUDA when available (or FLEXATTN_TEST_DEVICE), else CPU. On CPU the Triton
+kernels run through Triton's interpreter, which must be requested in the environment
+before triton is imported, so it is set here, first.
+"""
+
+import os
+
+import pytest
+
+import torch
+
+DEVICE = os.environ.get("FLEXATTN_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flexattn import _compat  # noqa: E402
+
+if DEVICE == "cpu":
+    _compat.enable_triton_interpreter()
+
+
+def pytest_report_header(config):
+    triton_version = "absent"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        pass
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton interpreter)"
+    return f"flexattn tests on {name}; torch {torch.__version__}, triton {triton_version}"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
