@@ -1,0 +1,29 @@
+"""Inductor lowerings of the flexattn HOPs.
+
+``register()`` installs them in Inductor's lowering table (idempotent); flexattn's
+``__init__`` calls it. Modules: ``forward`` (the forward HOP onto the Triton template,
+its grid and backend choice), ``subgraph`` (score_mod / mask_mod graphs to template IR),
+``configs`` (tile configurations), ``dense`` (the CPU path when Inductor's CPU backend
+is not Triton).
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    """Register flexattn's lowerings with Inductor. Safe to call more than once."""
+    global _registered
+    if _registered:
+        return
+    from torch._inductor.lowering import register_lowering
+
+    from .._hop import flex_attention_hop
+    from .forward import lower_flex_attention
+
+    register_lowering(flex_attention_hop, type_promotion_kind=None)(lower_flex_attention)
+    _registered = True
+
+
+__all__ = ["register"]

@@ -1,0 +1,212 @@
+"""Tile configurations of the forward kernel: tables, overrides, constraints.
+
+A ``ForwardConfig`` is one launch shape of ``templates/forward.py.jinja``: the query tile
+(BLOCK_M), the KV step (BLOCK_N), warps and software-pipeline stages. Which ones are
+tried for a call:
+
+* without ``torch._inductor.config.max_autotune``: the one default for the call's
+  (GPU generation, padded head dim, dtype width) from ``DEFAULTS``;
+* with it: that default plus ``AUTOTUNE_CANDIDATES``, benchmarked by Inductor.
+
+``kernel_options`` may pin any field (``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
+``num_stages``, or their ``fwd_``-prefixed forms); a pinned field replaces that field in
+every candidate. ``usable_configs`` then drops candidates that break a constraint (the
+BlockMask's block sizes must be multiples of the tiles; the pipelined K/V tiles must fit
+in shared memory) and raises when a pinned choice itself breaks one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """One launch configuration of the forward template."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def describe(self) -> str:
+        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} "
+                f"num_warps={self.num_warps} num_stages={self.num_stages}")
+
+
+# Default per (GPU generation, padded QK head dim, dtype width). "sm90" is Hopper and
+# newer, "sm80" Ampere/Ada; "generic" is any other device, including CPU tensors run by
+# the Triton interpreter (where large tiles simply mean fewer interpreted steps).
+# The 16-bit Hopper/Ampere entries are the tiles FlashAttention-2 style kernels are
+# known to do best with on those parts: 128-row query tiles, 8 warps from D=128, a
+# 3-stage K/V pipeline, and a narrower KV step at D=256 to stay within shared memory.
+# float32 doubles the bytes per tile, so its tiles are smaller.
+DEFAULTS: dict[tuple[str, int, str], ForwardConfig] = {
+    ("sm90", 64, "16bit"): ForwardConfig(128, 128, 4, 3),
+    ("sm90", 128, "16bit"): ForwardConfig(128, 64, 8, 3),
+    ("sm90", 256, "16bit"): ForwardConfig(64, 32, 4, 3),
+    ("sm90", 64, "fp32"): ForwardConfig(128, 32, 4, 3),
+    ("sm90", 128, "fp32"): ForwardConfig(32, 64, 4, 3),
+    ("sm90", 256, "fp32"): ForwardConfig(32, 32, 4, 3),
+    ("sm80", 64, "16bit"): ForwardConfig(128, 64, 4, 3),
+    ("sm80", 128, "16bit"): ForwardConfig(128, 64, 8, 3),
+    ("sm80", 256, "16bit"): ForwardConfig(32, 64, 4, 3),
+    ("sm80", 64, "fp32"): ForwardConfig(128, 32, 4, 3),
+    ("sm80", 128, "fp32"): ForwardConfig(128, 32, 4, 3),
+    ("sm80", 256, "fp32"): ForwardConfig(64, 16, 4, 3),
+    ("generic", 64, "16bit"): ForwardConfig(64, 64, 4, 2),
+    ("generic", 128, "16bit"): ForwardConfig(64, 64, 4, 2),
+    ("generic", 256, "16bit"): ForwardConfig(32, 32, 4, 2),
+    ("generic", 64, "fp32"): ForwardConfig(64, 64, 4, 2),
+    ("generic", 128, "fp32"): ForwardConfig(64, 32, 4, 2),
+    ("generic", 256, "fp32"): ForwardConfig(32, 32, 4, 2),
+}
+
+# Extra candidates benchmarked under max_autotune (after filtering).
+AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
+    ForwardConfig(128, 128, 8, 3),
+    ForwardConfig(128, 64, 4, 3),
+    ForwardConfig(128, 64, 8, 2),
+    ForwardConfig(128, 32, 4, 3),
+    ForwardConfig(64, 128, 4, 3),
+    ForwardConfig(64, 64, 4, 3),
+    ForwardConfig(64, 64, 4, 4),
+    ForwardConfig(64, 32, 4, 3),
+)
+
+MIN_TILE = 16  # tl.dot needs every dimension >= 16
+
+_OVERRIDE_KEYS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n",
+                  "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+class ConfigError(ValueError):
+    """kernel_options pin a tile configuration the call cannot use."""
+
+
+def gpu_generation(device: torch.device) -> str:
+    """The DEFAULTS row for a device: "sm90", "sm80" or "generic"."""
+    if device.type != "cuda" or torch.version.hip:
+        return "generic"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 9:
+        return "sm90"
+    if major == 8:
+        return "sm80"
+    return "generic"
+
+
+def head_dim_bucket(padded_head_dim: int) -> int:
+    return 64 if padded_head_dim <= 64 else 128 if padded_head_dim <= 128 else 256
+
+
+def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> ForwardConfig:
+    width = "fp32" if dtype == torch.float32 else "16bit"
+    return DEFAULTS[(gpu_generation(device), head_dim_bucket(padded_head_dim), width)]
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """Bytes of shared memory one program may use, or None where it is not known."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", None) or None
+
+
+def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int) -> int:
+    """The Q tile plus num_stages buffered K and V tiles, in bytes."""
+    q_tile = cfg.block_m * qk_dim_pad
+    kv_stage = cfg.block_n * (qk_dim_pad + v_dim_pad)
+    return elem_bytes * (q_tile + cfg.num_stages * kv_stage)
+
+
+def pinned_fields(kernel_options: dict[str, Any]) -> dict[str, int]:
+    """The config fields kernel_options pin, keyed by ForwardConfig field name."""
+    pinned: dict[str, int] = {}
+    for key, field in _OVERRIDE_KEYS.items():
+        for spelled in (key, f"fwd_{key}"):
+            if kernel_options.get(spelled) is not None:
+                pinned[field] = int(kernel_options[spelled])
+    return pinned
+
+
+def candidate_configs(
+    device: torch.device,
+    padded_head_dim: int,
+    dtype: torch.dtype,
+    max_autotune: bool,
+    kernel_options: dict[str, Any],
+) -> list[ForwardConfig]:
+    """Default (+ autotune candidates), with pinned fields applied, deduplicated."""
+    configs = [default_config(device, padded_head_dim, dtype)]
+    if max_autotune:
+        configs += list(AUTOTUNE_CANDIDATES)
+    pinned = pinned_fields(kernel_options)
+    out: list[ForwardConfig] = []
+    for cfg in configs:
+        cfg = dataclasses.replace(cfg, **pinned)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def fit_to_sparse_blocks(cfg: ForwardConfig, sparse_q: int, sparse_kv: int) -> ForwardConfig | None:
+    """Shrink the tiles of ``cfg`` (halving) until they divide the BlockMask's blocks."""
+    block_m, block_n = cfg.block_m, cfg.block_n
+    while block_m > MIN_TILE and sparse_q % block_m:
+        block_m //= 2
+    while block_n > MIN_TILE and sparse_kv % block_n:
+        block_n //= 2
+    if sparse_q % block_m or sparse_kv % block_n:
+        return None
+    return dataclasses.replace(cfg, block_m=block_m, block_n=block_n)
+
+
+def usable_configs(
+    candidates: list[ForwardConfig],
+    kernel_options: dict[str, Any],
+    *,
+    sparse_q: int,
+    sparse_kv: int,
+    qk_dim_pad: int,
+    v_dim_pad: int,
+    elem_bytes: int,
+    smem_limit: int | None,
+) -> list[ForwardConfig]:
+    """The candidates that satisfy every constraint.
+
+    Unpinned tiles that do not divide the BlockMask's block sizes are shrunk to fit;
+    configs over the shared-memory limit are dropped. A pinned tile or stage count that
+    breaks a constraint raises ``ConfigError``.
+    """
+    pinned = pinned_fields(kernel_options)
+    for field, limit in (("block_m", sparse_q), ("block_n", sparse_kv)):
+        if field in pinned:
+            value = pinned[field]
+            if value < MIN_TILE or value & (value - 1) or limit % value:
+                raise ConfigError(
+                    f"flexattn: kernel_options {field.upper()}={value} must be a power of two "
+                    f">= {MIN_TILE} that divides the BlockMask's "
+                    f"{'Q' if field == 'block_m' else 'KV'}_BLOCK_SIZE={limit}"
+                )
+    usable: list[ForwardConfig] = []
+    for cfg in candidates:
+        fitted = fit_to_sparse_blocks(cfg, sparse_q, sparse_kv)
+        if fitted is None:
+            continue
+        if smem_limit is not None and shared_memory_estimate(fitted, qk_dim_pad, v_dim_pad, elem_bytes) > smem_limit:
+            continue
+        if fitted not in usable:
+            usable.append(fitted)
+    if not usable:
+        raise ConfigError(
+            f"flexattn: no forward tile configuration fits this call (BlockMask block sizes "
+            f"Q={sparse_q}, KV={sparse_kv}; padded head dims {qk_dim_pad}/{v_dim_pad}; "
+            f"shared memory limit {smem_limit}); candidates were "
+            f"{[c.describe() for c in candidates]}. Block sizes must be multiples of {MIN_TILE}."
+        )
+    return usable

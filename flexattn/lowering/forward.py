@@ -1,0 +1,365 @@
+"""Inductor lowering of ``flex_attention_hop`` onto the forward Triton template.
+
+``lower_flex_attention`` is the function registered for the HOP. Per call it
+
+1. picks the backend from the device (``use_triton_template``): CUDA tensors, and CPU
+   tensors when ``torch._inductor.config.cpu_backend == "triton"``, go to the template;
+   other CPU calls go to the dense path in ``dense.py``;
+2. lowers score_mod and mask_mod to the IR the template inlines (``subgraph.py``);
+3. derives the kernel's specialisations on the host (``forward_specialisations``);
+4. builds one template choice per usable tile configuration (``configs.py``) and hands
+   them to Inductor's autotuner;
+5. logs the chosen configuration on the ``flexattn.lowering`` logger (at INFO; at
+   WARNING with ``kernel_options["DEBUG_CONFIG"]=True`` or ``FLEXATTN_DEBUG_CONFIG=1``).
+
+kernel_options keys read here (besides the tile keys of ``configs.py``):
+OUTPUT_LOGSUMEXP, OUTPUT_MAX (write lse / max_scores; when False their contents are
+unspecified), PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS (see the flags in
+``templates/forward.py.jinja``), DEBUG_CONFIG (log the chosen config at WARNING).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+import sympy
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor import ir
+from torch._inductor.lowering import empty_strided, expand
+from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
+from torch._inductor.virtualized import V
+from torch.utils._sympy.functions import FloorDiv, Mod
+
+from .. import _compat
+from ..templates import kernel_source
+from . import configs as cfgs
+from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod
+
+log = logging.getLogger("flexattn.lowering")
+
+DEBUG_ENV_VAR = "FLEXATTN_DEBUG_CONFIG"
+TEMPLATE_NAME = "flexattn_forward"
+
+#: kernel_options keys that are booleans with these defaults.
+BOOL_OPTIONS = {
+    "OUTPUT_LOGSUMEXP": True,
+    "OUTPUT_MAX": False,
+    "PRESCALE_QK": False,
+    "ROWS_GUARANTEED_SAFE": False,
+    "BLOCKS_ARE_CONTIGUOUS": False,
+}
+
+
+@SymbolicGridFn
+def forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv):
+    """Launch grid of the forward kernel, from ``call_sizes`` = the query's size.
+
+    program_id(0) covers query rows [pid0 * BLOCK_M, (pid0 + 1) * BLOCK_M) (the last tile
+    may run past Q_LEN and is masked); program_id(1) the batch index; program_id(2) the
+    query head. Each program walks every KV block the BlockMask lists for its rows.
+    """
+    return (cdiv(q_len, meta["BLOCK_M"]), batch, q_heads)
+
+
+forward_template = TritonTemplate(
+    name=TEMPLATE_NAME,
+    grid=forward_grid,
+    source=kernel_source("forward"),
+)
+
+
+def use_triton_template(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return _compat.inductor_cpu_backend() == "triton"
+    return device.type in ("cuda", "xpu")
+
+
+def lower_flex_attention(
+    query, key, value, score_mod, block_mask, scale, kernel_options,
+    score_mod_buffers=(), mask_mod_buffers=(),
+):
+    """The lowering registered for ``flexattn._hop.flex_attention_hop``."""
+    device = query.get_device()
+    if use_triton_template(device):
+        return lower_to_template(query, key, value, score_mod, block_mask, scale, kernel_options,
+                                 score_mod_buffers, mask_mod_buffers)
+    if device.type == "cpu":
+        from .dense import lower_dense
+
+        log.info("flexattn forward on CPU with cpu_backend=%r: dense decomposition",
+                 _compat.inductor_cpu_backend())
+        return lower_dense(query, key, value, score_mod, block_mask, scale, kernel_options,
+                           score_mod_buffers, mask_mod_buffers)
+    raise NotImplementedError(f"flexattn: no forward kernel for device type {device.type!r}")
+
+
+# --------------------------------------------------------------------------------------
+# Host-side preparation
+# --------------------------------------------------------------------------------------
+def next_power_of_two_at_least_16(n: int) -> int:
+    return max(16, 1 << max(0, (n - 1).bit_length()))
+
+
+def realize_fixed(node):
+    """A realized IR node whose strides are final (the template bakes them into code)."""
+    if node is None or isinstance(node, sympy.Expr) or not isinstance(node, ir.IRNode):
+        return node
+    node = ir.ExternKernel.realize_input(node)
+    storage = node.data if isinstance(node, ir.ReinterpretView) else node
+    while isinstance(storage, (ir.TensorBox, ir.StorageBox)):
+        storage = storage.data
+    if isinstance(storage, ir.Buffer) and isinstance(storage.layout, ir.FlexibleLayout):
+        storage.freeze_layout()
+    return node
+
+
+def as_tensor_boxes(nodes: Sequence) -> list:
+    """Realized IR nodes wrapped as the TensorBoxes lowerings take (scalars unchanged)."""
+    return [ir.TensorBox(n) if isinstance(n, ir.IRNode) and not isinstance(n, ir.TensorBox) else n
+            for n in nodes]
+
+
+def broadcast_to(node, sizes: Sequence):
+    """``node`` expanded to ``sizes`` (stride 0 on broadcast dims), realized as a view."""
+    if list(node.get_size()) == list(sizes):
+        return realize_fixed(node)
+    return realize_fixed(expand(node, list(sizes)))
+
+
+def output_layout(query, v_head_dim) -> ir.FixedLayout:
+    """Dense (B, Hq, L, Ev) layout in query's dimension order (as the HOP's fake impl)."""
+    sizes = list(query.get_size()[:-1]) + [v_head_dim]
+    hints = V.graph.sizevars.optimization_hints(query.get_stride())
+    order = sorted(range(4), key=lambda d: (-hints[d], d))
+    order = [d for d in order if d != 3] + [3]
+    strides: list[Any] = [0] * 4
+    running: Any = sympy.Integer(1)
+    for d in reversed(order):
+        strides[d] = running
+        running = running * sizes[d]
+    return ir.FixedLayout(query.get_device(), query.get_dtype(), sizes, strides)
+
+
+def float32_precision(device: torch.device, dtype: torch.dtype) -> str:
+    """The tl.dot input_precision for this call, quoted for a constexpr define."""
+    if dtype == torch.float32 and device.type == "cuda" and _compat.float32_matmul_allows_tf32() \
+            and torch.cuda.get_device_capability(device) >= (8, 0) and not torch.version.hip:
+        return "'tf32'"
+    return "'ieee'"
+
+
+def read_bool_options(kernel_options: dict[str, Any]) -> dict[str, bool]:
+    return {key: bool(kernel_options.get(key, default)) for key, default in BOOL_OPTIONS.items()}
+
+
+def forward_specialisations(
+    *, query, key, value, scale, kernel_options, sparse_q: int, sparse_kv: int,
+    has_full_blocks: bool, has_score_mod: bool,
+) -> dict[str, Any]:
+    """Constexprs shared by every tile configuration of one call."""
+    sizevars = V.graph.sizevars
+    qk_dim = sizevars.guard_int(query.get_size()[-1])
+    v_dim = sizevars.guard_int(value.get_size()[-1])
+    if sizevars.guard_int(key.get_size()[-1]) != qk_dim:
+        raise ValueError("flexattn: query and key head dims differ")
+    qk_pad = next_power_of_two_at_least_16(qk_dim)
+    v_pad = next_power_of_two_at_least_16(v_dim)
+    hq, hkv = query.get_size()[1], key.get_size()[1]
+    group = sizevars.guard_int(FloorDiv(hq, hkv))
+    if not sizevars.statically_known_true(sympy.Eq(Mod(hq, hkv), 0)):
+        raise ValueError("flexattn: query heads must be a multiple of key/value heads")
+    spec = {
+        "SM_SCALE": float(scale),
+        "GQA_GROUP_SIZE": group,
+        "QK_HEAD_DIM": qk_dim,
+        "QK_HEAD_DIM_PAD": qk_pad,
+        "PAD_QK_HEAD_DIM": qk_pad != qk_dim,
+        "V_HEAD_DIM": v_dim,
+        "V_HEAD_DIM_PAD": v_pad,
+        "PAD_V_HEAD_DIM": v_pad != v_dim,
+        "SPARSE_Q_BLOCK_SIZE": sparse_q,
+        "SPARSE_KV_BLOCK_SIZE": sparse_kv,
+        "HAS_FULL_BLOCKS": has_full_blocks,
+        "HAS_SCORE_MOD": has_score_mod,
+        "FLOAT32_PRECISION": float32_precision(query.get_device(), query.get_dtype()),
+    }
+    spec.update(read_bool_options(kernel_options))
+    return spec
+
+
+def divisibility(query, key, cfg: cfgs.ForwardConfig, sparse_kv: int) -> dict[str, bool]:
+    """IS_DIVISIBLE_M / IS_DIVISIBLE_N for one config (False unless provable)."""
+    known = V.graph.sizevars.statically_known_true
+    return {
+        "IS_DIVISIBLE_M": known(sympy.Eq(Mod(query.get_size()[2], cfg.block_m), 0)),
+        "IS_DIVISIBLE_N": known(sympy.Eq(Mod(key.get_size()[2], sparse_kv), 0)),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Autotuning inputs
+# --------------------------------------------------------------------------------------
+def _benchmark_block_indices(node) -> torch.Tensor:
+    """Every KV block listed in order: a valid, dense index table for benchmarking."""
+    size = V.graph.sizevars.optimization_hints(node.get_size())
+    row = torch.arange(size[-1], dtype=node.get_dtype(), device=node.get_device())
+    return row.expand(size).contiguous()
+
+
+def _benchmark_block_counts(index_node, share: float):
+    """Counts that make each benchmark row visit ``share`` of the KV blocks (at least one)."""
+
+    def make(node) -> torch.Tensor:
+        n_blocks = V.graph.sizevars.optimization_hint(index_node.get_size()[-1])
+        count = max(1, int(round(n_blocks * share)))
+        size = V.graph.sizevars.optimization_hints(node.get_size())
+        return torch.full(size, count, dtype=node.get_dtype(), device=node.get_device())
+
+    return make
+
+
+# --------------------------------------------------------------------------------------
+# The lowering proper
+# --------------------------------------------------------------------------------------
+def lower_to_template(
+    query, key, value, score_mod, block_mask, scale, kernel_options,
+    score_mod_buffers, mask_mod_buffers,
+):
+    kernel_options = dict(kernel_options or {})
+    sizevars = V.graph.sizevars
+    (_, _, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+     _, _, _, _, sparse_q, sparse_kv, mask_graph) = block_mask
+    sparse_q = sizevars.guard_int(sparse_q)
+    sparse_kv = sizevars.guard_int(sparse_kv)
+    device = query.get_device()
+    dtype = query.get_dtype()
+
+    B, Hq, L, _ = query.get_size()
+    _, Hkv, S, _ = key.get_size()
+    for name, length in (("query", L), ("key", S)):
+        if sizevars.statically_known_true(sympy.Eq(length, 0)):
+            raise ValueError(f"flexattn: the {name} length must be positive")
+
+    query = realize_fixed(query)
+    key = broadcast_to(key, [B, Hkv, S, key.get_size()[3]])
+    value = broadcast_to(value, [B, Hkv, S, value.get_size()[3]])
+
+    n_q_blocks = kv_num_blocks.get_size()[-1]
+    kv_num_blocks = broadcast_to(kv_num_blocks, [B, Hq, n_q_blocks])
+    kv_indices = broadcast_to(kv_indices, [B, Hq, n_q_blocks, kv_indices.get_size()[-1]])
+    has_full_blocks = full_kv_num_blocks is not None
+    if has_full_blocks:
+        full_kv_num_blocks = broadcast_to(full_kv_num_blocks, [B, Hq, full_kv_num_blocks.get_size()[-1]])
+        full_kv_indices = broadcast_to(
+            full_kv_indices, [B, Hq, full_kv_indices.get_size()[-2], full_kv_indices.get_size()[-1]])
+    else:
+        # The kernel never reads these (HAS_FULL_BLOCKS=False); they fill the signature.
+        full_kv_num_blocks = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
+        full_kv_indices = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
+
+    score_mod_buffers = [realize_fixed(b) for b in score_mod_buffers]
+    mask_mod_buffers = [realize_fixed(b) for b in mask_mod_buffers]
+    has_score_mod = not is_identity_score_mod(score_mod.graph_module)
+    score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
+                                    as_tensor_boxes(score_mod_buffers), "score_mod")
+    mask_buffer = build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
+                                   as_tensor_boxes(mask_mod_buffers), "mask_mod")
+
+    spec = forward_specialisations(
+        query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, has_full_blocks=has_full_blocks,
+        has_score_mod=has_score_mod,
+    )
+
+    layout = output_layout(query, spec["V_HEAD_DIM"])
+    lse = realize_fixed(empty_strided([B, Hq, L], None, dtype=torch.float32, device=device))
+    row_max = realize_fixed(empty_strided([B, Hq, L], None, dtype=torch.float32, device=device))
+    # The kernel writes lse and row_max in place: the template's extra outputs.
+
+    candidates = cfgs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
+                                        bool(inductor_config.max_autotune), kernel_options)
+    usable = cfgs.usable_configs(
+        candidates, kernel_options, sparse_q=sparse_q, sparse_kv=sparse_kv,
+        qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"],
+        elem_bytes=torch.empty((), dtype=dtype).element_size(),
+        smem_limit=cfgs.shared_memory_limit(device),
+    )
+
+    input_nodes = [query, key, value, lse, row_max, kv_num_blocks, kv_indices,
+                   full_kv_num_blocks, full_kv_indices]
+    choices: list[Any] = []
+    config_of_choice: dict[int, cfgs.ForwardConfig] = {}
+    errors: list[str] = []
+    for cfg in usable:
+        constexprs = {**spec, **divisibility(query, key, cfg, sparse_kv),
+                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+        error = forward_template.maybe_append_choice(
+            choices,
+            input_nodes=input_nodes,
+            layout=layout,
+            subgraphs=[score_buffer, mask_buffer],
+            mutated_inputs=[lse, row_max],
+            call_sizes=query.get_size(),
+            num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps,
+            **constexprs,
+        )
+        if error is not None:
+            errors.append(f"{cfg.describe()}: {error}")
+        else:
+            config_of_choice[id(choices[-1].make_kernel_render)] = cfg
+    if not choices:
+        raise RuntimeError("flexattn: the forward template could not be generated for any "
+                           "configuration:\n" + "\n".join(errors))
+
+    captured = [b for b in (*score_mod_buffers, *mask_mod_buffers) if isinstance(b, ir.IRNode)]
+    if has_full_blocks:
+        # Benchmark rows visit half of the KV blocks as partial and the other half as
+        # full, so that both loops are timed.
+        input_gen_fns = {5: _benchmark_block_counts(kv_indices, 0.5), 6: _benchmark_block_indices,
+                         7: _benchmark_block_counts(full_kv_indices, 0.5), 8: _benchmark_full_block_indices}
+    else:
+        input_gen_fns = {5: _benchmark_block_counts(kv_indices, 1.0), 6: _benchmark_block_indices}
+    out = _compat.autotune_select_node(
+        "flexattn_forward", choices, input_nodes + captured, layout, input_gen_fns=input_gen_fns)
+
+    _report_choice(out, config_of_choice, usable, spec, query, key, value, kernel_options)
+    return out, ir.TensorBox(lse), ir.TensorBox(row_max)
+
+
+def _benchmark_full_block_indices(node) -> torch.Tensor:
+    """The block list rotated by half: disjoint from the first half of the partial list."""
+    size = V.graph.sizevars.optimization_hints(node.get_size())
+    n_blocks = size[-1]
+    row = torch.arange(n_blocks, dtype=node.get_dtype(), device=node.get_device())
+    row = torch.roll(row, -max(1, int(round(n_blocks * 0.5))))
+    return row.expand(size).contiguous()
+
+
+def _debug_requested(kernel_options: dict[str, Any]) -> bool:
+    return bool(kernel_options.get("DEBUG_CONFIG")) or os.environ.get(DEBUG_ENV_VAR, "0") == "1"
+
+
+def _report_choice(out, config_of_choice, usable, spec, query, key, value, kernel_options) -> None:
+    buffer = out.data.data if isinstance(out, ir.TensorBox) else out
+    render = getattr(buffer, "make_kernel_render", None)
+    chosen = config_of_choice.get(id(render))
+    level = logging.WARNING if _debug_requested(kernel_options) else logging.INFO
+    if not log.isEnabledFor(level):
+        return
+    what = chosen.describe() if chosen is not None else (
+        f"decided later by Inductor among {[c.describe() for c in usable]}")
+    log.log(
+        level,
+        "flexattn forward: q %s k %s v %s %s -> %s (of %d candidate(s)); specialisations %s",
+        list(query.get_size()), list(key.get_size()), list(value.get_size()), query.get_dtype(),
+        what, len(usable),
+        {k: spec[k] for k in ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
+                              "HAS_SCORE_MOD", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE")},
+    )
+
+
+__all__ = ["forward_grid", "forward_template", "lower_flex_attention", "use_triton_template"]

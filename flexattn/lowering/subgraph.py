@@ -1,0 +1,108 @@
+"""score_mod / mask_mod FX subgraphs -> the Inductor IR a template modification inlines.
+
+The HOP carries each mod as a small FX graph over 0-d tensors: ``(score, b, h, q_idx,
+kv_idx, *buffers)`` for score_mod, ``(b, h, q_idx, kv_idx, *buffers)`` for mask_mod.
+Inductor lowers such a graph with its ordinary pointwise lowerings when the scalar
+arguments are named placeholder buffers: the result is a 0-d ``ComputedBuffer`` whose
+``inner_fn`` issues ``ops.load(<placeholder name>, 0)`` for each scalar argument and
+``ops.load(<buffer>, <index>)`` for each captured tensor.
+
+In the template, ``TritonTemplateKernel.modification(subgraph_number, output_name,
+**fixed_inputs)`` replays that ``inner_fn`` under a handler that answers a load of a
+placeholder with the Triton expression given for it (``score="scores"``,
+``q_idx="q_idx"``, ...) and a load of a captured tensor with a ``tl.load`` from a new
+kernel argument. So the placeholder names below are the keyword names the templates
+pass to ``modification``, and the captured tensors must be realized buffers of the
+enclosing graph before the builder runs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch._inductor import ir
+from torch._inductor.subgraph_lowering import PointwiseSubgraphLowering
+from torch._inductor.virtualized import V
+
+#: Placeholder names (= template ``modification`` keywords) and their dtypes; None means
+#: "the query's dtype".
+SCORE_MOD_ARGS: tuple[tuple[str, torch.dtype | None], ...] = (
+    ("score", None),
+    ("b", torch.int32),
+    ("h", torch.int32),
+    ("q_idx", torch.int32),
+    ("kv_idx", torch.int32),
+)
+MASK_MOD_ARGS: tuple[tuple[str, torch.dtype | None], ...] = SCORE_MOD_ARGS[1:]
+
+
+class ModLoweringError(RuntimeError):
+    """A score_mod / mask_mod uses an operation that cannot be fused into the kernel."""
+
+
+def _placeholder(name: str, dtype: torch.dtype, device: torch.device) -> ir.TensorBox:
+    layout = ir.FixedLayout(device, dtype, [], [])
+    return ir.TensorBox.create(ir.InputBuffer(name=name, layout=layout))
+
+
+def build_mod_buffer(
+    graph_module: torch.fx.GraphModule,
+    arg_specs: Sequence[tuple[str, torch.dtype | None]],
+    query_dtype: torch.dtype,
+    device: torch.device,
+    captured: Sequence,
+    what: str,
+) -> ir.ComputedBuffer:
+    """Lower one mod graph to a 0-d ComputedBuffer for ``modification``.
+
+    ``captured`` are the realized IR nodes (or sympy scalars) of the mod's buffers, in
+    the graph's placeholder order after the scalar arguments.
+    """
+    args = [_placeholder(name, dtype or query_dtype, device) for name, dtype in arg_specs]
+    lowering = PointwiseSubgraphLowering(graph_module, root_graph_lowering=V.graph)
+    try:
+        with V.set_graph_handler(lowering):
+            lowering.run(*args, *captured)
+    except Exception as e:  # noqa: BLE001 - re-raised with the mod named
+        raise ModLoweringError(
+            f"flexattn: the {what} cannot be fused into the attention kernel: {e}. "
+            f"A {what} must be elementwise on its scalar arguments (indexing captured "
+            f"tensors is fine); its graph was:\n{graph_module.code}"
+        ) from e
+
+    result = lowering.graph_outputs
+    if isinstance(result, (list, tuple)):
+        if len(result) != 1:
+            raise ModLoweringError(f"flexattn: the {what} must return one value, got {len(result)}")
+        result = result[0]
+    if not isinstance(result, ir.IRNode):
+        raise ModLoweringError(f"flexattn: the {what} must return a tensor, got {type(result).__name__}")
+    if list(result.get_size()) != []:
+        raise ModLoweringError(
+            f"flexattn: the {what} must return a 0-d value per (b, h, q_idx, kv_idx), got shape "
+            f"{list(result.get_size())}"
+        )
+    # Whatever the output node is (a pointwise op, a placeholder passed through, a view),
+    # its loader is an elementwise expression of the loads above.
+    body = ir.Pointwise(device=device, dtype=result.get_dtype(), inner_fn=result.make_loader(), ranges=[])
+    buffer = ir.ComputedBuffer(
+        name=None,
+        layout=ir.FlexibleLayout(device=device, dtype=result.get_dtype(), size=[]),
+        data=body,
+    )
+    buffer.freeze_layout()
+    return buffer
+
+
+def is_identity_score_mod(graph_module: torch.fx.GraphModule) -> bool:
+    """True when the score_mod graph returns its first argument unchanged."""
+    nodes = list(graph_module.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    outputs = [n for n in nodes if n.op == "output"]
+    if not placeholders or len(outputs) != 1:
+        return False
+    result = outputs[0].args[0]
+    if isinstance(result, (list, tuple)) and len(result) == 1:
+        result = result[0]
+    return result is placeholders[0]
