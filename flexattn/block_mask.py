@@ -1,0 +1,981 @@
+"""Block-sparse attention masks: ``BlockMask``, ``create_block_mask`` and mask helpers.
+
+A *mask_mod* is a tiny function ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` that says
+whether query ``q_idx`` of batch ``b`` and head ``h`` may attend to key ``kv_idx``. The
+attention kernels never evaluate it on the whole (Q_LEN x KV_LEN) grid. They walk over
+tiles of ``Q_BLOCK_SIZE x KV_BLOCK_SIZE`` positions and need to know, per tile, one of
+three things:
+
+* *empty*:   every position is masked out, so the tile is skipped;
+* *full*:    every position is allowed, so the tile is computed without calling mask_mod;
+* *partial*: some positions are allowed, so the tile is computed and mask_mod applied.
+
+``BlockMask`` stores this classification in the compressed-row layout the kernels read.
+For every (batch, head, query block) row it holds the number of partial KV blocks and
+their ids (``kv_num_blocks``, ``kv_indices``), and the same for full blocks
+(``full_kv_num_blocks``, ``full_kv_indices``). The backward pass walks the grid along
+the other axis, so the transposed lists per KV block (``q_num_blocks``, ``q_indices``,
+``full_q_num_blocks``, ``full_q_indices``) are kept next to them. Each id row lists the
+valid block ids first, in ascending order; the tail of the row is padding made of the
+remaining block ids in ascending order, which keeps every row a permutation of
+``range(num_cols)`` and the shapes identical to PyTorch's.
+
+How ``create_block_mask`` stays cheap
+-------------------------------------
+Building the element mask for all of (B, H, Q_LEN, KV_LEN) at once costs B*H*Q*KV bytes:
+16 GiB for a single 128k x 128k head. Instead the grid is cut into chunks whose element
+mask fits in ``MASK_CHUNK_BYTES`` (query blocks first, then heads, then batches). Each
+chunk is evaluated with ``torch.vmap`` over the four index axes (the same calling
+convention the kernels use, so a mask_mod that works here works there) and immediately
+reduced to per-block ``any`` / ``all`` flags; only those (B, H, QB, KVB) flags are kept.
+Peak memory is therefore the chunk budget plus the block flags, whatever the sequence
+length.
+
+Edge blocks: when a length is not a multiple of its block size, positions past the end
+count as masked out. A tile that hangs over the end is therefore never *full*, it is
+*partial* if any in-range position is allowed and *empty* otherwise; this is exactly
+PyTorch's rule.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "BlockMask",
+    "COMPILE_BACKEND",
+    "DEFAULT_BLOCK_SIZE",
+    "MASK_CHUNK_BYTES",
+    "and_masks",
+    "create_block_mask",
+    "create_mask",
+    "noop_mask",
+    "or_masks",
+]
+
+DEFAULT_BLOCK_SIZE = 128
+"""Default tile edge, in tokens, for both the query and the KV axis."""
+
+MASK_CHUNK_BYTES = 256 * 1024 * 1024
+"""Budget, in bytes of bool mask, for one chunk of mask evaluation in create_block_mask.
+
+Read at call time, so tests (or memory-starved users) may lower it."""
+
+COMPILE_BACKEND = "inductor"
+"""torch.compile backend used by ``create_block_mask(..., _compile=True)``."""
+
+_MASK_MOD_ARITY = 4
+_SCORE_MOD_ARITY = 5
+_FULL_CHAR = "█"
+_PARTIAL_CHAR = "░"
+_EMPTY_CHAR = " "
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+# --------------------------------------------------------------------------------------
+# mask_mod helpers
+# --------------------------------------------------------------------------------------
+
+
+def noop_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """The mask_mod that allows every (query, key) pair: a 0-d ``True`` tensor.
+
+    It is built from ``b`` (not with ``torch.tensor``) so that it lands on the index
+    tensors' device and traces as one ``new_ones`` op under make_fx and Dynamo.
+    """
+    return b.new_ones((), dtype=torch.bool)
+
+
+def _check_mask_mods(combinator: str, mask_mods: tuple[Any, ...]) -> None:
+    if not mask_mods:
+        raise TypeError(f"{combinator}() needs at least one mask_mod, got none")
+    for position, mask_mod in enumerate(mask_mods):
+        if not callable(mask_mod):
+            raise TypeError(
+                f"{combinator}(): argument {position} must be a callable "
+                f"mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}: {mask_mod!r}"
+            )
+
+
+def _mod_name(mod: Any) -> str:
+    return getattr(mod, "__name__", type(mod).__name__)
+
+
+def and_masks(*mask_mods: MaskMod) -> MaskMod:
+    """Return a mask_mod allowing a position only where *all* of ``mask_mods`` allow it."""
+    _check_mask_mods("and_masks", mask_mods)
+
+    def and_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        allowed = mask_mods[0](b, h, q_idx, kv_idx)
+        for mask_mod in mask_mods[1:]:
+            allowed = allowed & mask_mod(b, h, q_idx, kv_idx)
+        return allowed
+
+    and_mask.__name__ = "and_masks(" + ", ".join(_mod_name(m) for m in mask_mods) + ")"
+    return and_mask
+
+
+def or_masks(*mask_mods: MaskMod) -> MaskMod:
+    """Return a mask_mod allowing a position where *any* of ``mask_mods`` allows it."""
+    _check_mask_mods("or_masks", mask_mods)
+
+    def or_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        allowed = mask_mods[0](b, h, q_idx, kv_idx)
+        for mask_mod in mask_mods[1:]:
+            allowed = allowed | mask_mod(b, h, q_idx, kv_idx)
+        return allowed
+
+    or_mask.__name__ = "or_masks(" + ", ".join(_mod_name(m) for m in mask_mods) + ")"
+    return or_mask
+
+
+def _sliced_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Placeholder mask_mod of a BlockMask obtained by indexing another one.
+
+    Indexing renumbers batches, heads and query blocks, so the original mask_mod no
+    longer matches the block lists; calling it silently would give wrong masks.
+    """
+    raise RuntimeError(
+        "This BlockMask was obtained by indexing (block_mask[...]); indexing renumbers "
+        "batches, heads and query blocks, so it has no valid mask_mod. Assign one that "
+        "matches the sliced layout: sliced.mask_mod = my_mask_mod_for_the_slice"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Evaluating mods over an index grid
+# --------------------------------------------------------------------------------------
+
+
+def _required_positional_count(fn: Callable[..., Any]) -> int | None:
+    """Number of positional parameters without defaults; None if it takes ``*args``."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    count = 0
+    for parameter in parameters:
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        if (
+            parameter.kind
+            in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            and parameter.default is inspect.Parameter.empty
+        ):
+            count += 1
+    return count
+
+
+def _mod_arity(fn: Any, argument: str) -> int:
+    """Validate a score_mod/mask_mod and return its arity (4: mask_mod, 5: score_mod)."""
+    if not callable(fn):
+        raise TypeError(
+            f"{argument} must be a callable mask_mod(b, h, q_idx, kv_idx) or "
+            f"score_mod(score, b, h, q_idx, kv_idx), got {type(fn).__name__}: {fn!r}"
+        )
+    arity = _required_positional_count(fn)
+    if arity not in (_MASK_MOD_ARITY, _SCORE_MOD_ARITY):
+        received = "a variable number (*args)" if arity is None else str(arity)
+        raise TypeError(
+            f"{argument} must take 4 positional arguments (b, h, q_idx, kv_idx) for a "
+            f"mask_mod or 5 (score, b, h, q_idx, kv_idx) for a score_mod; "
+            f"{_mod_name(fn)} takes {received}"
+        )
+    return arity
+
+
+class _IndexWithTensors(TorchFunctionMode):
+    """Make ``captured[q_idx]`` index with the 0-d index tensor instead of its value.
+
+    Inside vmap the index arguments are batched tensors, and plain ``__getitem__`` would
+    convert a 0-d tensor index to a Python int (impossible for a batched tensor). This
+    mode reroutes indexing whose indices are all tensors or ints to ``aten.index``,
+    which vmap batches properly.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is Tensor.__getitem__:
+            indexed, index = args
+            parts = index if isinstance(index, tuple) else (index,)
+            if parts and all(isinstance(part, (Tensor, int)) and not isinstance(part, bool) for part in parts):
+                index_tensors = [
+                    part
+                    if isinstance(part, Tensor)
+                    else torch.tensor(part, dtype=torch.int64, device=indexed.device)
+                    for part in parts
+                ]
+                return torch.ops.aten.index.Tensor(indexed, index_tensors)
+        return func(*args, **kwargs)
+
+
+def _vmap_over_grid(fn: Callable[..., Tensor], with_score: bool) -> Callable[..., Tensor]:
+    """Lift a per-element mod to 1-D index vectors (b, h, q, kv) -> (B, H, Q, KV).
+
+    The innermost vmap maps the kv axis, the outermost the batch axis. For a score_mod
+    the score tensor is mapped along with each axis (its leading dim at every level).
+    """
+    score_dims = (0,) if with_score else ()
+    for mapped_axis in (3, 2, 1, 0):
+        index_dims = tuple(0 if axis == mapped_axis else None for axis in range(4))
+        fn = torch.vmap(fn, in_dims=score_dims + index_dims, out_dims=0)
+    return fn
+
+
+def _resolve_device(device: Any) -> torch.device:
+    if device is None:
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator) if accelerator is not None else torch.device("cpu")
+    return torch.device(device)
+
+
+def _evaluate_mod(
+    mod: Callable[..., Tensor],
+    b: Tensor,
+    h: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    score: Tensor | None = None,
+) -> Tensor:
+    """Evaluate ``mod`` at every point of the grid b x h x q x kv (1-D int64 vectors).
+
+    Returns a (len(b), len(h), len(q), len(kv)) tensor. With ``score`` (same shape) the
+    mod is treated as a score_mod.
+    """
+    with _IndexWithTensors():
+        if score is None:
+            result = _vmap_over_grid(mod, with_score=False)(b, h, q, kv)
+        else:
+            result = _vmap_over_grid(mod, with_score=True)(score, b, h, q, kv)
+    expected = (b.numel(), h.numel(), q.numel(), kv.numel())
+    if not isinstance(result, Tensor) or tuple(result.shape) != expected:
+        shape = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
+        raise ValueError(
+            f"{_mod_name(mod)} must return one 0-d tensor per (b, h, q_idx, kv_idx); "
+            f"over the grid {expected} it returned {shape}"
+        )
+    return result
+
+
+def _index_vectors(B: int, H: int, q_start: int, q_stop: int, KV_LEN: int, device):
+    arange = lambda start, stop: torch.arange(start, stop, device=device)  # noqa: E731
+    return arange(0, B), arange(0, H), arange(q_start, q_stop), arange(0, KV_LEN)
+
+
+def _check_positive_int(value: Any, argument: str, allow_none: bool = False) -> None:
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        expected = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{argument} must be {expected}, got {value!r}")
+
+
+def create_mask(
+    mod_fn: Callable[..., Tensor],
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: Any = None,
+) -> Tensor:
+    """Dense (B, H, Q_LEN, KV_LEN) bool mask of a mask_mod or a score_mod.
+
+    For a mask_mod (4 arguments) this is the mask_mod at every position. For a score_mod
+    (5 arguments) it is True where the score_mod, applied to a zero score, does not give
+    ``-inf`` (the positions the score_mod leaves attendable). ``B``/``H`` of None mean 1.
+    ``device`` defaults to the current accelerator, else the CPU. This materializes the
+    whole grid: use it for small shapes, tests and pictures.
+    """
+    arity = _mod_arity(mod_fn, "mod_fn")
+    _check_positive_int(B, "B", allow_none=True)
+    _check_positive_int(H, "H", allow_none=True)
+    _check_positive_int(Q_LEN, "Q_LEN")
+    _check_positive_int(KV_LEN, "KV_LEN")
+    B = 1 if B is None else B
+    H = 1 if H is None else H
+    device = _resolve_device(device)
+    b, h, q, kv = _index_vectors(B, H, 0, Q_LEN, KV_LEN, device)
+    if arity == _MASK_MOD_ARITY:
+        return _evaluate_mod(mod_fn, b, h, q, kv)
+    zeros = torch.zeros(B, H, Q_LEN, KV_LEN, device=device)
+    scores = _evaluate_mod(mod_fn, b, h, q, kv, score=zeros)
+    return ~torch.isneginf(scores)
+
+
+# --------------------------------------------------------------------------------------
+# Block-level layout conversions
+# --------------------------------------------------------------------------------------
+
+
+def _cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def _dense_to_ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """Block flags (..., rows, cols) -> (num_blocks (..., rows), indices (..., rows, cols)).
+
+    A stable descending sort of the 0/1 flags lists the set block ids first, ascending,
+    followed by the unset ones, ascending.
+    """
+    flags = dense.to(torch.int8)
+    num_blocks = flags.sum(dim=-1, dtype=torch.int32)
+    indices = torch.argsort(flags, dim=-1, descending=True, stable=True)
+    return num_blocks.contiguous(), indices.to(torch.int32).contiguous()
+
+
+def _ordered_to_dense(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:
+    """(num_blocks, indices) -> int32 flags (..., rows, num_cols); padding is ignored.
+
+    Invalid slots are redirected to one extra scratch column, dropped at the end.
+    """
+    slots = torch.arange(indices.shape[-1], device=indices.device)
+    valid = slots < num_blocks.unsqueeze(-1)
+    columns = torch.where(valid, indices.to(torch.int64), num_cols)
+    dense = torch.zeros(
+        *indices.shape[:-1], num_cols + 1, dtype=torch.int32, device=indices.device
+    )
+    dense.scatter_(-1, columns, 1)
+    return dense[..., :num_cols].contiguous()
+
+
+def _transpose_ordered(num_blocks: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row block lists -> per-column block lists (the layout the backward walks)."""
+    dense = _ordered_to_dense(num_blocks, indices, indices.shape[-1])
+    return _dense_to_ordered(dense.transpose(-2, -1))
+
+
+def _reduce_axis_to_blocks(
+    any_flags: Tensor, all_flags: Tensor, dim: int, block: int
+) -> tuple[Tensor, Tensor]:
+    """Group axis ``dim`` (negative) in runs of ``block``; reduce each run to any / all.
+
+    A trailing run shorter than ``block`` stands for a block that hangs past the end of
+    the sequence: its missing positions are masked out, so it is never all-allowed.
+    """
+    length = any_flags.shape[dim]
+    whole = length // block
+    aligned = whole * block
+    any_parts, all_parts = [], []
+    if whole:
+        # Splitting a dim in place is a view, even on a narrowed tensor; after the split
+        # the run axis sits at ``dim`` because ``dim`` counts from the end.
+        runs_any = any_flags.narrow(dim, 0, aligned).unflatten(dim, (whole, block))
+        runs_all = all_flags.narrow(dim, 0, aligned).unflatten(dim, (whole, block))
+        any_parts.append(runs_any.any(dim))
+        all_parts.append(runs_all.all(dim))
+    if aligned < length:
+        tail_any = any_flags.narrow(dim, aligned, length - aligned).any(dim, keepdim=True)
+        any_parts.append(tail_any)
+        all_parts.append(torch.zeros_like(tail_any))
+    if len(any_parts) == 1:
+        return any_parts[0], all_parts[0]
+    return torch.cat(any_parts, dim), torch.cat(all_parts, dim)
+
+
+def _block_flags(allowed: Tensor, q_block: int, kv_block: int) -> tuple[Tensor, Tensor]:
+    """Element mask (b, h, rows, KV) -> per-block (any, all) flags (b, h, QB, KVB).
+
+    The KV axis is reduced first (it is the contiguous one and shrinks the data
+    kv_block-fold), then the query axis on the already small tensor.
+    """
+    any_kv, all_kv = _reduce_axis_to_blocks(allowed, allowed, -1, kv_block)
+    return _reduce_axis_to_blocks(any_kv, all_kv, -2, q_block)
+
+
+def _chunk_plan(B: int, H: int, QB: int, q_block: int, KV_LEN: int, budget: int):
+    """Chunk sizes (batches, heads, query blocks) whose bool mask fits ``budget`` bytes.
+
+    The unit is one query block of one (batch, head): q_block * KV_LEN bytes. Query
+    blocks are grown first, then heads, then batches. At least one unit is evaluated
+    per chunk even if it alone exceeds the budget.
+    """
+    units = max(1, budget // (q_block * KV_LEN))
+    q_blocks = min(QB, units)
+    heads = min(H, max(1, units // q_blocks)) if q_blocks == QB else 1
+    batches = min(B, max(1, units // (q_blocks * heads))) if heads == H and q_blocks == QB else 1
+    return batches, heads, q_blocks
+
+
+def _compute_block_flags(
+    mask_mod: MaskMod,
+    B: int,
+    H: int,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device,
+    q_block: int,
+    kv_block: int,
+    compile_chunks: bool,
+) -> tuple[Tensor, Tensor]:
+    """Block (any, all) flags (B, H, QB, KVB) of ``mask_mod``, evaluated chunk by chunk."""
+    QB, KVB = _cdiv(Q_LEN, q_block), _cdiv(KV_LEN, kv_block)
+    any_blocks = torch.empty(B, H, QB, KVB, dtype=torch.bool, device=device)
+    all_blocks = torch.empty(B, H, QB, KVB, dtype=torch.bool, device=device)
+
+    def evaluate_chunk(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+        allowed = _evaluate_mod(mask_mod, b, h, q, kv)
+        if allowed.dtype != torch.bool:
+            raise TypeError(
+                f"mask_mod {_mod_name(mask_mod)} must return a bool tensor, got {allowed.dtype}"
+            )
+        return _block_flags(allowed, q_block, kv_block)
+
+    if compile_chunks:
+        evaluate_chunk = torch.compile(evaluate_chunk, backend=COMPILE_BACKEND, fullgraph=True)
+
+    batches, heads, q_blocks = _chunk_plan(B, H, QB, q_block, KV_LEN, MASK_CHUNK_BYTES)
+    kv = torch.arange(KV_LEN, device=device)
+    with torch.no_grad():
+        for b0 in range(0, B, batches):
+            b = torch.arange(b0, min(b0 + batches, B), device=device)
+            for h0 in range(0, H, heads):
+                h = torch.arange(h0, min(h0 + heads, H), device=device)
+                for qb0 in range(0, QB, q_blocks):
+                    qb1 = min(qb0 + q_blocks, QB)
+                    q = torch.arange(qb0 * q_block, min(qb1 * q_block, Q_LEN), device=device)
+                    chunk_any, chunk_all = evaluate_chunk(b, h, q, kv)
+                    where = (slice(b0, b0 + b.numel()), slice(h0, h0 + h.numel()), slice(qb0, qb1))
+                    any_blocks[where] = chunk_any
+                    all_blocks[where] = chunk_all
+    return any_blocks, all_blocks
+
+
+# --------------------------------------------------------------------------------------
+# BlockMask
+# --------------------------------------------------------------------------------------
+
+
+def _normalize_block_size(BLOCK_SIZE: Any) -> tuple[int, int]:
+    if isinstance(BLOCK_SIZE, int) and not isinstance(BLOCK_SIZE, bool):
+        pair: Sequence[Any] = (BLOCK_SIZE, BLOCK_SIZE)
+    elif isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2:
+        pair = BLOCK_SIZE
+    else:
+        raise ValueError(
+            f"BLOCK_SIZE must be a positive int or a (q_block, kv_block) pair of positive "
+            f"ints, got {BLOCK_SIZE!r}"
+        )
+    for size in pair:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"BLOCK_SIZE must be a positive int or a (q_block, kv_block) pair of "
+                f"positive ints, got {BLOCK_SIZE!r}"
+            )
+    return int(pair[0]), int(pair[1])
+
+
+class BlockMask:
+    """Block-sparse description of an attention mask, in the layout the kernels read.
+
+    Attributes (leading ``...`` are the batch dims, normally (B, H); B or H of 1
+    broadcasts over the batch or heads of the attention call):
+
+    * ``kv_num_blocks`` int32 (..., QB), ``kv_indices`` int32 (..., QB, KVB): per query
+      block, the KV blocks that are partly masked (the kernel applies mask_mod there).
+    * ``full_kv_num_blocks``, ``full_kv_indices``: same for KV blocks with no masked
+      position (the kernel skips mask_mod there), or None when not separated.
+    * ``q_num_blocks`` (..., KVB), ``q_indices`` (..., KVB, QB), ``full_q_num_blocks``,
+      ``full_q_indices``: the transposed lists, per KV block, for the backward.
+    * ``seq_lengths`` (q_len, kv_len), ``BLOCK_SIZE`` (q_block, kv_block), ``mask_mod``.
+
+    Each index row starts with its valid block ids (the first ``num_blocks`` entries,
+    ascending for masks built here) and is padded with the remaining ids.
+    """
+
+    _TENSOR_FIELDS = (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    )
+
+    def __init__(
+        self,
+        seq_lengths: tuple[int, int],
+        kv_num_blocks: Tensor,
+        kv_indices: Tensor,
+        full_kv_num_blocks: Tensor | None,
+        full_kv_indices: Tensor | None,
+        q_num_blocks: Tensor | None,
+        q_indices: Tensor | None,
+        full_q_num_blocks: Tensor | None,
+        full_q_indices: Tensor | None,
+        BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+        mask_mod: MaskMod | None = None,
+    ) -> None:
+        if not isinstance(kv_indices, Tensor) or kv_indices.dim() < 2:
+            raise ValueError(
+                "kv_indices must be a tensor with at least 2 dims (..., query_blocks, "
+                f"kv_blocks), got {getattr(kv_indices, 'shape', kv_indices)!r}"
+            )
+        if not isinstance(kv_num_blocks, Tensor) or kv_num_blocks.shape != kv_indices.shape[:-1]:
+            raise ValueError(
+                f"kv_num_blocks must have shape kv_indices.shape[:-1] = "
+                f"{tuple(kv_indices.shape[:-1])}, got {getattr(kv_num_blocks, 'shape', kv_num_blocks)!r}"
+            )
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError(
+                "full_kv_num_blocks and full_kv_indices must be given together or both be None"
+            )
+        if (full_q_num_blocks is None) != (full_q_indices is None):
+            raise ValueError(
+                "full_q_num_blocks and full_q_indices must be given together or both be None"
+            )
+        self.seq_lengths = (int(seq_lengths[0]), int(seq_lengths[1]))
+        self.kv_num_blocks = kv_num_blocks
+        self.kv_indices = kv_indices
+        self.full_kv_num_blocks = full_kv_num_blocks
+        self.full_kv_indices = full_kv_indices
+        self.q_num_blocks = q_num_blocks
+        self.q_indices = q_indices
+        self.full_q_num_blocks = full_q_num_blocks
+        self.full_q_indices = full_q_indices
+        self.BLOCK_SIZE = _normalize_block_size(BLOCK_SIZE)
+        self.mask_mod = noop_mask if mask_mod is None else mask_mod
+
+    @classmethod
+    def from_kv_blocks(
+        cls,
+        kv_num_blocks: Tensor,
+        kv_indices: Tensor,
+        full_kv_num_blocks: Tensor | None = None,
+        full_kv_indices: Tensor | None = None,
+        BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+        mask_mod: MaskMod | None = None,
+        seq_lengths: tuple[int, int] | None = None,
+    ) -> BlockMask:
+        """Build a BlockMask from the per-query-block KV lists; derives the transposed view.
+
+        ``seq_lengths`` defaults to the block grid times ``BLOCK_SIZE``; ``mask_mod``
+        to ``noop_mask``.
+        """
+        if not isinstance(kv_indices, Tensor) or kv_indices.dim() < 2:
+            raise ValueError(
+                "kv_indices must be a tensor with at least 2 dims (..., query_blocks, "
+                f"kv_blocks), got {getattr(kv_indices, 'shape', kv_indices)!r}"
+            )
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError(
+                "full_kv_num_blocks and full_kv_indices must be given together or both be None"
+            )
+        block_size = _normalize_block_size(BLOCK_SIZE)
+        q_num_blocks, q_indices = _transpose_ordered(kv_num_blocks, kv_indices)
+        if full_kv_num_blocks is not None:
+            full_q_num_blocks, full_q_indices = _transpose_ordered(
+                full_kv_num_blocks, full_kv_indices
+            )
+        else:
+            full_q_num_blocks = full_q_indices = None
+        if seq_lengths is None:
+            seq_lengths = (
+                kv_indices.shape[-2] * block_size[0],
+                kv_indices.shape[-1] * block_size[1],
+            )
+        return cls(
+            seq_lengths,
+            kv_num_blocks,
+            kv_indices,
+            full_kv_num_blocks,
+            full_kv_indices,
+            q_num_blocks,
+            q_indices,
+            full_q_num_blocks,
+            full_q_indices,
+            BLOCK_SIZE=block_size,
+            mask_mod=mask_mod,
+        )
+
+    def as_tuple(self, flatten: bool = True) -> tuple[Any, ...]:
+        """The fields in the order the attention higher-order op takes them.
+
+        ``(q_len, kv_len, kv_num_blocks, kv_indices, full_kv_num_blocks,
+        full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+        Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)``; with ``flatten=False`` the lengths and
+        block sizes stay as pairs.
+        """
+        tensors = tuple(getattr(self, name) for name in self._TENSOR_FIELDS)
+        if flatten:
+            return (*self.seq_lengths, *tensors, *self.BLOCK_SIZE, self.mask_mod)
+        return (self.seq_lengths, *tensors, self.BLOCK_SIZE, self.mask_mod)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(*batch dims, q_len, kv_len), e.g. (B, H, Q_LEN, KV_LEN)."""
+        return (*self.kv_indices.shape[:-2], *self.seq_lengths)
+
+    def numel(self) -> int:
+        """Number of (b, h, q, kv) elements the mask describes (ignoring sparsity)."""
+        return math.prod(self.shape)
+
+    def _block_grid(self) -> tuple[int, int]:
+        """Number of query and KV blocks that the sequence lengths cover."""
+        return (
+            _cdiv(self.seq_lengths[0], self.BLOCK_SIZE[0]),
+            _cdiv(self.seq_lengths[1], self.BLOCK_SIZE[1]),
+        )
+
+    def sparsity(self) -> float:
+        """Percentage of the blocks of the grid that are skipped (neither partial nor full)."""
+        total = self.kv_num_blocks.numel() * self._block_grid()[1]
+        computed = int(self.kv_num_blocks.sum().item())
+        if self.full_kv_num_blocks is not None:
+            computed += int(self.full_kv_num_blocks.sum().item())
+        return 100.0 * (1.0 - computed / total) if total else 0.0
+
+    def to_dense(self) -> Tensor:
+        """Block-level int32 (..., QB, KVB) mask: 1 where a block is computed (partial or full)."""
+        num_cols = self.kv_indices.shape[-1]
+        dense = _ordered_to_dense(self.kv_num_blocks, self.kv_indices, num_cols)
+        if self.full_kv_num_blocks is not None:
+            dense = dense | _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, num_cols)
+        return dense
+
+    def _block_kinds(self) -> Tensor:
+        """int8 (..., QB, KVB): 0 empty, 1 partial, 2 full."""
+        num_cols = self.kv_indices.shape[-1]
+        kinds = _ordered_to_dense(self.kv_num_blocks, self.kv_indices, num_cols).to(torch.int8)
+        if self.full_kv_num_blocks is not None:
+            full = _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, num_cols)
+            kinds = torch.where(full.bool(), 2, kinds).to(torch.int8)
+        return kinds
+
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """Text picture of the block layout, one grid per (batch, head), up to ``limit``.
+
+        Each cell is two characters wide and stands for a group of blocks when the grid
+        has more than ``grid_size`` rows/cols (``grid_size=-1``: one cell per block):
+        '█' all blocks of the group are full, ' ' all are empty, '░' anything else
+        (partial blocks, or a mix). Query blocks run down, KV blocks across.
+        """
+        kinds = self._block_kinds().cpu()
+        *batch_dims, rows, cols = kinds.shape
+        if grid_size == -1:
+            max_rows, max_cols = rows, cols
+        elif isinstance(grid_size, int):
+            max_rows = max_cols = grid_size
+        else:
+            max_rows, max_cols = grid_size
+        row_step = max(1, _cdiv(rows, max(1, max_rows)))
+        col_step = max(1, _cdiv(cols, max(1, max_cols)))
+
+        def cell(group: Tensor) -> str:
+            if bool((group == 2).all()):
+                return _FULL_CHAR
+            if bool((group == 0).all()):
+                return _EMPTY_CHAR
+            return _PARTIAL_CHAR
+
+        lines = [
+            f"{_FULL_CHAR} full  {_PARTIAL_CHAR} partial  '{_EMPTY_CHAR}' empty; "
+            f"one cell = {row_step}x{col_step} blocks of {self.BLOCK_SIZE[0]}x{self.BLOCK_SIZE[1]}"
+        ]
+        picture_count = 0
+        for batch_index in itertools.product(*(range(n) for n in batch_dims)):
+            if picture_count == limit:
+                lines.append(
+                    f"... ({math.prod(batch_dims) - limit} more; raise limit= or index the "
+                    f"BlockMask, e.g. block_mask[b, h], to see others)"
+                )
+                break
+            grid = kinds[batch_index]
+            label = ", ".join(f"{name}={i}" for name, i in zip(("b", "h", "d2", "d3"), batch_index))
+            lines.append(f"[{label}]" if label else "[]")
+            border = "+" + "-" * (2 * _cdiv(cols, col_step)) + "+"
+            lines.append(border)
+            for r in range(0, rows, row_step):
+                row_chars = [
+                    cell(grid[r : r + row_step, c : c + col_step]) * 2
+                    for c in range(0, cols, col_step)
+                ]
+                lines.append("|" + "".join(row_chars) + "|")
+            lines.append(border)
+            picture_count += 1
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        rows, cols = self.kv_indices.shape[-2:]
+        partial = int(self.kv_num_blocks.sum().item())
+        full = int(self.full_kv_num_blocks.sum().item()) if self.full_kv_num_blocks is not None else 0
+        return (
+            "BlockMask(\n"
+            f"    shape={self.shape},  # (*batch, q_len, kv_len)\n"
+            f"    seq_lengths={self.seq_lengths},\n"
+            f"    BLOCK_SIZE={self.BLOCK_SIZE},\n"
+            f"    block_grid={rows}x{cols},  # query blocks x kv blocks\n"
+            f"    partial_blocks={partial}, full_blocks={full}"
+            f"{'' if self.full_kv_num_blocks is not None else ' (not separated)'},\n"
+            f"    sparsity={self.sparsity():.2f}%,\n"
+            f"    mask_mod={_mod_name(self.mask_mod)},\n"
+            f"    device={self.kv_indices.device},\n"
+            ")"
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
+            f"sparsity={self.sparsity():.2f}%, mask_mod={_mod_name(self.mask_mod)})\n"
+            + self.to_string()
+        )
+
+    def __getitem__(self, index: Any) -> BlockMask:
+        """Select batches, heads and query blocks; keeps all three dims.
+
+        ``index`` is up to three entries (batch, head, query block), each an int, a
+        slice or an index tensor. Ints keep their dim (size 1). The result's mask_mod is
+        a placeholder that raises, because indices are renumbered.
+        """
+        entries = index if isinstance(index, tuple) else (index,)
+        if len(entries) > 3:
+            raise IndexError(
+                f"BlockMask can be indexed by at most (batch, head, query block), got {len(entries)} indices"
+            )
+        entries = (*entries, *(slice(None),) * (3 - len(entries)))
+        if self.kv_num_blocks.dim() < 3:
+            raise IndexError(
+                f"indexing needs a (batch, head, query block) layout; kv_num_blocks has "
+                f"shape {tuple(self.kv_num_blocks.shape)}"
+            )
+        sizes = self.kv_num_blocks.shape[:3]
+        normalized = []
+        for entry, size in zip(entries, sizes):
+            if isinstance(entry, int) and not isinstance(entry, bool):
+                if not -size <= entry < size:
+                    raise IndexError(f"index {entry} is out of range for a dim of size {size}")
+                start = entry % size
+                normalized.append(slice(start, start + 1))
+            else:
+                normalized.append(entry)
+        where = tuple(normalized)
+        full_num = self.full_kv_num_blocks[where] if self.full_kv_num_blocks is not None else None
+        full_idx = self.full_kv_indices[where] if self.full_kv_indices is not None else None
+        return BlockMask.from_kv_blocks(
+            self.kv_num_blocks[where],
+            self.kv_indices[where],
+            full_num,
+            full_idx,
+            BLOCK_SIZE=self.BLOCK_SIZE,
+            mask_mod=_sliced_mask_mod,
+            seq_lengths=self.seq_lengths,
+        )
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
+        """Crop to the upper-left (new_q_len, new_kv_len) corner of the mask.
+
+        Block lists are re-derived so that only blocks inside the new grid stay valid,
+        and a full block that now hangs over the new end of a sequence becomes partial
+        (the same classification create_block_mask gives at the new lengths). Valid for
+        masks whose value at a position does not depend on the sequence lengths, such
+        as causal or sliding-window masks.
+        """
+        _check_positive_int(new_q_len, "new_q_len")
+        _check_positive_int(new_kv_len, "new_kv_len")
+        q_block, kv_block = self.BLOCK_SIZE
+        rows, cols = _cdiv(new_q_len, q_block), _cdiv(new_kv_len, kv_block)
+        old_rows, old_cols = self.kv_indices.shape[-2:]
+        if rows > old_rows or cols > old_cols:
+            raise ValueError(
+                f"_adjust can only shrink a BlockMask: ({new_q_len}, {new_kv_len}) needs "
+                f"{rows}x{cols} blocks of {self.BLOCK_SIZE}, the mask has {old_rows}x{old_cols}"
+            )
+        partial = _ordered_to_dense(self.kv_num_blocks, self.kv_indices, old_cols)[..., :rows, :cols].bool()
+        full = None
+        if self.full_kv_num_blocks is not None:
+            full = _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, old_cols)[..., :rows, :cols].bool()
+            hangs_over = torch.zeros(rows, cols, dtype=torch.bool, device=full.device)
+            if new_q_len % q_block:
+                hangs_over[-1, :] = True
+            if new_kv_len % kv_block:
+                hangs_over[:, -1] = True
+            partial = partial | (full & hangs_over)
+            full = full & ~hangs_over
+        return _from_block_flags(partial, full, (new_q_len, new_kv_len), self.BLOCK_SIZE, self.mask_mod)
+
+    def adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
+        """Public name of :meth:`_adjust`: crop the mask to shorter sequence lengths."""
+        return self._adjust(new_q_len, new_kv_len)
+
+    def to(self, device: torch.device | str) -> BlockMask:
+        """A new BlockMask whose tensors are on ``device`` (this one is unchanged)."""
+        moved = {
+            name: None if getattr(self, name) is None else getattr(self, name).to(device)
+            for name in self._TENSOR_FIELDS
+        }
+        return BlockMask(
+            self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod
+        )
+
+
+def _from_block_flags(
+    partial: Tensor,
+    full: Tensor | None,
+    seq_lengths: tuple[int, int],
+    block_size: tuple[int, int],
+    mask_mod: MaskMod | None,
+) -> BlockMask:
+    """BlockMask from bool block flags (..., QB, KVB) of partial and full blocks."""
+    kv_num, kv_idx = _dense_to_ordered(partial)
+    q_num, q_idx = _dense_to_ordered(partial.transpose(-2, -1))
+    if full is not None:
+        full_kv_num, full_kv_idx = _dense_to_ordered(full)
+        full_q_num, full_q_idx = _dense_to_ordered(full.transpose(-2, -1))
+    else:
+        full_kv_num = full_kv_idx = full_q_num = full_q_idx = None
+    return BlockMask(
+        seq_lengths,
+        kv_num,
+        kv_idx,
+        full_kv_num,
+        full_kv_idx,
+        q_num,
+        q_idx,
+        full_q_num,
+        full_q_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+    )
+
+
+def create_block_mask(
+    mask_mod: MaskMod,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: Any = None,
+    BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    _compile: bool = False,
+) -> BlockMask:
+    """Build the BlockMask of ``mask_mod`` for (B, H, Q_LEN, KV_LEN) without a dense mask.
+
+    Args:
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend).
+        B, H: batch size and number of heads; None (or 1) gives a mask of size 1 on that
+            dim, which broadcasts over the attention call's batch / heads.
+        Q_LEN, KV_LEN: sequence lengths (any positive ints, not only block multiples).
+        device: where to evaluate and store; defaults to the current accelerator, else CPU.
+        BLOCK_SIZE: tile size, an int or a (q_block, kv_block) pair.
+        _compile: evaluate each chunk through ``torch.compile`` (fuses mask evaluation
+            and block reduction; worth it for long sequences on a GPU).
+
+    The mask is evaluated a chunk at a time (``MASK_CHUNK_BYTES`` of bools per chunk)
+    and reduced to block flags at once, so memory stays bounded at any length.
+    """
+    if _mod_arity(mask_mod, "mask_mod") != _MASK_MOD_ARITY:
+        raise TypeError(
+            f"mask_mod must take 4 arguments (b, h, q_idx, kv_idx); {_mod_name(mask_mod)} "
+            "takes 5, i.e. it is a score_mod. Pass score_mods to flex_attention(score_mod=...) "
+            "and build block masks from a mask_mod."
+        )
+    _check_positive_int(B, "B", allow_none=True)
+    _check_positive_int(H, "H", allow_none=True)
+    _check_positive_int(Q_LEN, "Q_LEN")
+    _check_positive_int(KV_LEN, "KV_LEN")
+    block_size = _normalize_block_size(BLOCK_SIZE)
+    B = 1 if B is None else B
+    H = 1 if H is None else H
+    device = _resolve_device(device)
+    any_blocks, all_blocks = _compute_block_flags(
+        mask_mod, B, H, Q_LEN, KV_LEN, device, *block_size, compile_chunks=_compile
+    )
+    return _from_block_flags(
+        any_blocks & ~all_blocks, all_blocks, (Q_LEN, KV_LEN), block_size, mask_mod
+    )
+
+
+# --------------------------------------------------------------------------------------
+# pytree registration
+# --------------------------------------------------------------------------------------
+
+
+class _MaskModContext:
+    """Holds a BlockMask's mask_mod inside a pytree spec, with value-style equality.
+
+    Specs are compared to decide whether a traced program can be reused. Functions
+    compare by identity, which is too strict when the same mask_mod is re-created on
+    every call (a closure defined in ``forward``). Two mask_mods are equal here when
+    they are the same object, or functions with the same code whose closure cells hold
+    the same objects (or equal non-tensor values).
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: MaskMod) -> None:
+        self.fn = fn
+
+    @staticmethod
+    def _cells(fn: Any) -> tuple[Any, ...]:
+        return tuple(cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ()))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _MaskModContext):
+            return NotImplemented
+        if self.fn is other.fn:
+            return True
+        if not (inspect.isfunction(self.fn) and inspect.isfunction(other.fn)):
+            return False
+        if self.fn.__code__ is not other.fn.__code__:
+            return False
+        mine, theirs = self._cells(self.fn), self._cells(other.fn)
+        if len(mine) != len(theirs):
+            return False
+        for a, b in zip(mine, theirs):
+            if a is b:
+                continue
+            if isinstance(a, Tensor) or isinstance(b, Tensor):
+                return False
+            try:
+                if not bool(a == b):
+                    return False
+            except Exception:
+                return False
+        return True
+
+    def __hash__(self) -> int:
+        if inspect.isfunction(self.fn):
+            return hash(self.fn.__code__)
+        return hash(id(self.fn))
+
+    def __repr__(self) -> str:
+        return f"mask_mod={_mod_name(self.fn)}"
+
+
+def _flatten_block_mask(mask: BlockMask) -> tuple[list[Tensor], tuple[Any, ...]]:
+    present = tuple(name for name in BlockMask._TENSOR_FIELDS if getattr(mask, name) is not None)
+    leaves = [getattr(mask, name) for name in present]
+    context = (mask.seq_lengths, mask.BLOCK_SIZE, _MaskModContext(mask.mask_mod), present)
+    return leaves, context
+
+
+def _flatten_block_mask_with_keys(mask: BlockMask):
+    leaves, context = _flatten_block_mask(mask)
+    return [(pytree.GetAttrKey(name), leaf) for name, leaf in zip(context[3], leaves)], context
+
+
+def _unflatten_block_mask(leaves, context) -> BlockMask:
+    seq_lengths, block_size, mask_mod_context, present = context
+    tensors = dict.fromkeys(BlockMask._TENSOR_FIELDS)
+    tensors.update(zip(present, leaves))
+    return BlockMask(seq_lengths, **tensors, BLOCK_SIZE=block_size, mask_mod=mask_mod_context.fn)
+
+
+pytree.register_pytree_node(
+    BlockMask,
+    _flatten_block_mask,
+    _unflatten_block_mask,
+    serialized_type_name="flexattn.block_mask.BlockMask",
+    flatten_with_keys_fn=_flatten_block_mask_with_keys,
+)

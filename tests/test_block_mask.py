@@ -1,0 +1,498 @@
+"""BlockMask, create_block_mask and mask helpers, checked against torch's flex_attention.
+
+torch.nn.attention.flex_attention is used here only as the peer to compare with.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import flex_attention as torch_flex
+
+import flexattn.block_mask as bm
+from flexattn.block_mask import (
+    BlockMask,
+    and_masks,
+    create_block_mask,
+    create_mask,
+    noop_mask,
+    or_masks,
+)
+from flexattn.mods import causal_mask, document_mask, sliding_window
+from tests._mask_cases import (
+    MASK_CASES,
+    TENSOR_FIELDS,
+    assert_same_block_mask,
+    reference_block_kinds,
+)
+
+CPU = "cpu"
+SIZES = [(1, 1), (17, 17), (127, 127), (129, 129), (255, 255), (1000, 1000), (17, 1000), (1000, 129), (256, 384)]
+BLOCK_SIZES = [128, (128, 64), (64, 128)]
+BATCH_HEADS = [(None, None), (2, 3), (1, 3), (3, None)]
+
+
+def _both(mask_mod, B, H, Q, KV, block_size=128):
+    ours = create_block_mask(mask_mod, B, H, Q, KV, device=CPU, BLOCK_SIZE=block_size)
+    theirs = torch_flex.create_block_mask(mask_mod, B, H, Q, KV, device=CPU, BLOCK_SIZE=block_size)
+    return ours, theirs
+
+
+def _block_kinds(mask: BlockMask) -> torch.Tensor:
+    return mask._block_kinds().to(torch.int64)
+
+
+# --------------------------------------------------------------------------------------
+# create_block_mask == torch's create_block_mask
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+def test_matches_torch_for_every_case_and_size(case, size):
+    Q, KV = size
+    mask_mod = MASK_CASES[case](2, 3, Q, KV)
+    ours, theirs = _both(mask_mod, 2, 3, Q, KV)
+    assert_same_block_mask(ours, theirs)
+    assert ours.mask_mod is mask_mod
+
+
+@pytest.mark.parametrize("batch_heads", BATCH_HEADS, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=str)
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("case", ["causal", "document_per_batch", "head_dependent"])
+def test_matches_torch_for_block_sizes_and_broadcast_dims(case, size, block_size, batch_heads):
+    B, H = batch_heads
+    Q, KV = size
+    mask_mod = MASK_CASES[case](B, H, Q, KV)
+    ours, theirs = _both(mask_mod, B, H, Q, KV, block_size)
+    assert_same_block_mask(ours, theirs)
+    assert ours.kv_num_blocks.shape[:2] == (B or 1, H or 1)
+
+
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+def test_block_kinds_match_brute_force(case):
+    B, H, Q, KV = 2, 2, 300, 200
+    mask_mod = MASK_CASES[case](B, H, Q, KV)
+    dense = create_mask(mask_mod, B, H, Q, KV, device=CPU)
+    for block_size in [(64, 32), (128, 128)]:
+        mask = create_block_mask(mask_mod, B, H, Q, KV, device=CPU, BLOCK_SIZE=block_size)
+        assert torch.equal(_block_kinds(mask), reference_block_kinds(dense, *block_size))
+
+
+def test_long_causal_mask_has_closed_form_layout():
+    Q = KV = 16384
+    mask = create_block_mask(causal_mask, None, None, Q, KV, device=CPU)
+    rows = torch.arange(Q // 128)
+    assert torch.equal(mask.kv_num_blocks[0, 0], torch.ones_like(rows, dtype=torch.int32))
+    assert torch.equal(mask.full_kv_num_blocks[0, 0], rows.to(torch.int32))
+    assert torch.equal(mask.kv_indices[0, 0, :, 0], rows.to(torch.int32))
+
+
+# --------------------------------------------------------------------------------------
+# Chunked evaluation
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [1, 128 * 1000, 3 * 128 * 1000 + 5, 2 * 3 * 9 * 128 * 1000 - 1])
+@pytest.mark.parametrize("case", ["causal_and_document", "head_dependent", "prefix_lm_per_batch"])
+def test_chunked_equals_one_shot(monkeypatch, case, budget):
+    B, H, Q, KV = 2, 3, 1100, 1000
+    mask_mod = MASK_CASES[case](B, H, Q, KV)
+    one_shot = create_block_mask(mask_mod, B, H, Q, KV, device=CPU)
+    calls = []
+    original = bm._evaluate_mod
+
+    def counting(mod, b, h, q, kv, score=None):
+        calls.append(b.numel() * h.numel() * q.numel() * kv.numel())
+        return original(mod, b, h, q, kv, score)
+
+    monkeypatch.setattr(bm, "MASK_CHUNK_BYTES", budget)
+    monkeypatch.setattr(bm, "_evaluate_mod", counting)
+    chunked = create_block_mask(mask_mod, B, H, Q, KV, device=CPU)
+    assert_same_block_mask(chunked, one_shot)
+    assert len(calls) > 1
+    assert sum(calls) == B * H * Q * KV
+    assert max(calls) <= max(budget, 128 * KV)
+
+
+@pytest.mark.parametrize(
+    "B, H, QB, budget_units, expected",
+    [
+        (2, 3, 9, 1, (1, 1, 1)),
+        (2, 3, 9, 4, (1, 1, 4)),
+        (2, 3, 9, 9, (1, 1, 9)),
+        (2, 3, 9, 20, (1, 2, 9)),
+        (2, 3, 9, 27, (1, 3, 9)),
+        (2, 3, 9, 60, (2, 3, 9)),
+        (2, 3, 9, 10**6, (2, 3, 9)),
+    ],
+)
+def test_chunk_plan_fits_budget(B, H, QB, budget_units, expected):
+    q_block, KV = 128, 1000
+    plan = bm._chunk_plan(B, H, QB, q_block, KV, budget_units * q_block * KV)
+    assert plan == expected
+    assert plan[0] * plan[1] * plan[2] <= budget_units
+
+
+def test_compiled_chunks_equal_eager(monkeypatch):
+    monkeypatch.setattr(bm, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(bm, "MASK_CHUNK_BYTES", 4 * 128 * 300)
+    mask_mod = MASK_CASES["causal_and_document"](2, 1, 600, 300)
+    compiled = create_block_mask(mask_mod, 2, 1, 600, 300, device=CPU, _compile=True)
+    eager = create_block_mask(mask_mod, 2, 1, 600, 300, device=CPU)
+    assert_same_block_mask(compiled, eager)
+
+
+def test_non_bool_mask_mod_is_rejected():
+    with pytest.raises(TypeError, match="must return a bool tensor, got torch.int64"):
+        create_block_mask(lambda b, h, q, kv: q - kv, 1, 1, 64, 64, device=CPU)
+
+
+def test_non_scalar_mask_mod_output_is_rejected():
+    table = torch.ones(8, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="one 0-d tensor per"):
+        create_block_mask(lambda b, h, q, kv: table[q], 1, 1, 8, 8, device=CPU)
+
+
+# --------------------------------------------------------------------------------------
+# Argument validation
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(mask_mod=3), TypeError, "mask_mod must be a callable.*got int"),
+        (dict(mask_mod=lambda b, h, q: q), TypeError, "mask_mod must take 4 positional.*takes 3"),
+        (dict(mask_mod=lambda *a: a[0]), TypeError, r"takes a variable number \(\*args\)"),
+        (dict(mask_mod=lambda s, b, h, q, kv: s), TypeError, "takes 5, i.e. it is a score_mod"),
+        (dict(Q_LEN=0), ValueError, "Q_LEN must be a positive int, got 0"),
+        (dict(KV_LEN=-3), ValueError, "KV_LEN must be a positive int, got -3"),
+        (dict(KV_LEN=12.0), ValueError, "KV_LEN must be a positive int, got 12.0"),
+        (dict(B=0), ValueError, "B must be a positive int or None, got 0"),
+        (dict(H="2"), ValueError, "H must be a positive int or None, got '2'"),
+        (dict(BLOCK_SIZE=0), ValueError, "BLOCK_SIZE must be a positive int or a .* got 0"),
+        (dict(BLOCK_SIZE=(128,)), ValueError, r"BLOCK_SIZE .* got \(128,\)"),
+        (dict(BLOCK_SIZE=(64, 0)), ValueError, r"BLOCK_SIZE .* got \(64, 0\)"),
+        (dict(BLOCK_SIZE=True), ValueError, "BLOCK_SIZE .* got True"),
+    ],
+)
+def test_create_block_mask_validation(kwargs, error, pattern):
+    arguments = dict(mask_mod=causal_mask, B=1, H=1, Q_LEN=64, KV_LEN=64, device=CPU)
+    arguments.update(kwargs)
+    with pytest.raises(error, match=pattern):
+        create_block_mask(**arguments)
+
+
+def test_default_device_is_accelerator_or_cpu():
+    expected = torch.accelerator.current_accelerator() or torch.device("cpu")
+    mask = create_block_mask(causal_mask, 1, 1, 64, 64)
+    assert mask.kv_indices.device.type == torch.device(expected).type
+
+
+# --------------------------------------------------------------------------------------
+# create_mask, noop_mask, and_masks, or_masks
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["causal", "document_per_batch", "head_dependent", "all_false"])
+def test_create_mask_matches_torch(case):
+    mask_mod = MASK_CASES[case](2, 3, 70, 50)
+    ours = create_mask(mask_mod, 2, 3, 70, 50, device=CPU)
+    theirs = torch_flex.create_mask(mask_mod, 2, 3, 70, 50, device=CPU)
+    assert ours.dtype == torch.bool and ours.shape == (2, 3, 70, 50)
+    assert torch.equal(ours, theirs)
+
+
+def test_create_mask_of_score_mod_marks_non_neg_inf_scores():
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx + h) >= kv_idx, score + q_idx, -float("inf"))
+
+    ours = create_mask(score_mod, None, 2, 9, 11, device=CPU)
+    theirs = torch_flex.create_mask(score_mod, None, 2, 9, 11, device=CPU)
+    assert ours.dtype == torch.bool
+    assert torch.equal(ours, theirs)
+    q, kv = torch.arange(9)[:, None], torch.arange(11)
+    assert torch.equal(ours[0, 1], (q + 1) >= kv)
+
+
+def test_noop_mask_is_traceable_true():
+    index = torch.tensor(3)
+    assert noop_mask(index, index, index, index).dtype == torch.bool
+    assert noop_mask(index, index, index, index).shape == ()
+    assert bool(noop_mask(index, index, index, index))
+    graph = make_fx(noop_mask, tracing_mode="fake")(index, index, index, index)
+    assert torch.equal(graph(index, index, index, index), torch.tensor(True))
+    assert bool(create_mask(noop_mask, 2, 2, 5, 7, device=CPU).all())
+
+
+def test_and_or_masks_combine_elementwise():
+    window = sliding_window(3)
+    even_kv = lambda b, h, q, kv: kv % 2 == 0  # noqa: E731
+    causal = create_mask(causal_mask, 1, 1, 16, 16, device=CPU)
+    windowed = create_mask(window, 1, 1, 16, 16, device=CPU)
+    evens = create_mask(even_kv, 1, 1, 16, 16, device=CPU)
+    assert torch.equal(create_mask(and_masks(causal_mask, even_kv), 1, 1, 16, 16, device=CPU), causal & evens)
+    assert torch.equal(create_mask(or_masks(window, even_kv), 1, 1, 16, 16, device=CPU), windowed | evens)
+    assert torch.equal(create_mask(and_masks(window), 1, 1, 16, 16, device=CPU), windowed)
+    assert and_masks(causal_mask, window).__name__ == "and_masks(causal_mask, sliding_window_3_causal)"
+    assert or_masks(causal_mask).__name__ == "or_masks(causal_mask)"
+
+
+@pytest.mark.parametrize("combinator", [and_masks, or_masks])
+def test_and_or_masks_validation(combinator):
+    with pytest.raises(TypeError, match="needs at least one mask_mod"):
+        combinator()
+    with pytest.raises(TypeError, match="argument 1 must be a callable .* got int"):
+        combinator(causal_mask, 5)
+
+
+# --------------------------------------------------------------------------------------
+# BlockMask methods
+# --------------------------------------------------------------------------------------
+
+
+def test_as_tuple_is_the_hop_contract():
+    mask = create_block_mask(causal_mask, 2, 1, 300, 200, device=CPU, BLOCK_SIZE=(128, 64))
+    values = mask.as_tuple()
+    assert len(values) == 13
+    assert values[:2] == (300, 200)
+    for position, name in enumerate(TENSOR_FIELDS, start=2):
+        assert values[position] is getattr(mask, name)
+    assert values[10:] == (128, 64, causal_mask)
+    nested = mask.as_tuple(flatten=False)
+    assert nested[0] == (300, 200) and nested[-2] == (128, 64) and len(nested) == 11
+    plain = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices)
+    assert plain.as_tuple()[-1] is noop_mask
+
+
+@pytest.mark.parametrize("case", ["causal", "some_rows_empty", "head_dependent", "all_false"])
+def test_to_dense_matches_torch(case):
+    mask_mod = MASK_CASES[case](2, 2, 500, 700)
+    ours, theirs = _both(mask_mod, 2, 2, 500, 700, (64, 128))
+    dense = ours.to_dense()
+    assert dense.dtype == torch.int32 and dense.shape == (2, 2, 8, 6)
+    assert torch.equal(dense, theirs.to_dense())
+
+
+def test_sparsity_counts_skipped_blocks():
+    mask = create_block_mask(causal_mask, None, None, 1024, 1024, device=CPU)
+    assert mask.sparsity() == pytest.approx(100 * (1 - 36 / 64))
+    assert mask.sparsity() == pytest.approx(torch_flex.create_block_mask(causal_mask, None, None, 1024, 1024, device=CPU).sparsity())
+    ragged = create_block_mask(causal_mask, 2, None, 1000, 300, device=CPU)
+    computed = int(ragged.kv_num_blocks.sum() + ragged.full_kv_num_blocks.sum())
+    assert ragged.sparsity() == pytest.approx(100 * (1 - computed / (2 * 8 * 3)))
+    assert create_block_mask(MASK_CASES["all_false"](1, 1, 1, 1), 1, 1, 100, 100, device=CPU).sparsity() == 100.0
+    assert create_block_mask(noop_mask, 1, 1, 1, 1, device=CPU).sparsity() == 0.0
+
+
+def test_shape_and_numel():
+    mask = create_block_mask(causal_mask, 2, 3, 1000, 129, device=CPU)
+    assert mask.shape == (2, 3, 1000, 129)
+    assert mask.numel() == 2 * 3 * 1000 * 129
+
+
+def test_to_string_draws_full_partial_and_empty_blocks():
+    mask = create_block_mask(causal_mask, None, None, 512, 512, device=CPU)
+    lines = mask.to_string().splitlines()
+    grid = [line for line in lines if line.startswith("|")]
+    assert grid == ["|░░      |", "|██░░    |", "|████░░  |", "|██████░░|"]
+    assert "[b=0, h=0]" in lines
+    assert "█ full" in lines[0] and "░ partial" in lines[0]
+
+
+def test_to_string_groups_blocks_and_limits_pictures():
+    mask = create_block_mask(causal_mask, 2, 3, 8192, 8192, device=CPU, BLOCK_SIZE=(128, 128))
+    text = mask.to_string(grid_size=(8, 16), limit=2)
+    pictures = [line for line in text.splitlines() if line.startswith("[b=")]
+    assert pictures == ["[b=0, h=0]", "[b=0, h=1]"]
+    assert "4 more" in text
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 * 8 and all(len(row) == 2 + 2 * 16 for row in rows)
+    full_grid = mask[0, 0].to_string(grid_size=-1)
+    assert sum(line.startswith("|") for line in full_grid.splitlines()) == 64
+    assert "one cell = 8x4 blocks" in text
+
+
+def test_repr_and_str_tell_what_the_mask_holds():
+    mask = create_block_mask(sliding_window(256), 2, 4, 1000, 1000, device=CPU, BLOCK_SIZE=(128, 64))
+    text = repr(mask)
+    for expected in [
+        "shape=(2, 4, 1000, 1000)",
+        "seq_lengths=(1000, 1000)",
+        "BLOCK_SIZE=(128, 64)",
+        "block_grid=8x16",
+        f"sparsity={mask.sparsity():.2f}%",
+        "mask_mod=sliding_window_256_causal",
+        "device=cpu",
+    ]:
+        assert expected in text
+    assert str(mask).startswith("BlockMask(shape=(2, 4, 1000, 1000)")
+    assert "|" in str(mask)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [0, -1, (1, 2), (slice(0, 2), slice(1, 3)), (1, slice(None), slice(2, 5)), (0, 1, torch.tensor([0, 3]))],
+    ids=["b0", "b-1", "b1h2", "slices", "q-slice", "q-tensor"],
+)
+def test_indexing_matches_torch(index):
+    mask_mod = MASK_CASES["head_dependent"](2, 3, 700, 600)
+    ours, theirs = _both(mask_mod, 2, 3, 700, 600)
+    assert_same_block_mask(ours[index], theirs[index])
+    assert ours[index].kv_num_blocks.dim() == 3
+
+
+def test_indexing_errors_and_sliced_mask_mod():
+    mask = create_block_mask(causal_mask, 2, 3, 300, 300, device=CPU)
+    with pytest.raises(IndexError, match="out of range"):
+        mask[2]
+    with pytest.raises(IndexError, match="at most"):
+        mask[0, 0, 0, 0]
+    zero = torch.tensor(0)
+    with pytest.raises(RuntimeError, match="obtained by indexing"):
+        mask[0].mask_mod(zero, zero, zero, zero)
+
+
+@pytest.mark.parametrize("case", ["causal", "sliding_window_64", "prefix_lm_70"])
+@pytest.mark.parametrize("new_lengths", [(1000, 1000), (500, 700), (129, 17), (1, 1), (640, 256)])
+def test_adjust_equals_building_at_the_new_lengths(case, new_lengths):
+    mask_mod = MASK_CASES[case](2, 2, 1000, 1000)
+    mask = create_block_mask(mask_mod, 2, 2, 1000, 1000, device=CPU, BLOCK_SIZE=(128, 64))
+    adjusted = mask._adjust(*new_lengths)
+    rebuilt = create_block_mask(mask_mod, 2, 2, *new_lengths, device=CPU, BLOCK_SIZE=(128, 64))
+    assert_same_block_mask(adjusted, rebuilt)
+    assert adjusted.mask_mod is mask_mod
+    assert_same_block_mask(mask.adjust(*new_lengths), rebuilt)
+
+
+def test_adjust_valid_blocks_match_torch_for_causal():
+    ours, theirs = _both(causal_mask, 1, 2, 1024, 1024)
+    assert_same_block_mask(ours._adjust(512, 512), theirs._adjust(512, 512))
+
+
+def test_adjust_cannot_grow():
+    mask = create_block_mask(causal_mask, 1, 1, 300, 300, device=CPU)
+    with pytest.raises(ValueError, match="can only shrink"):
+        mask._adjust(600, 300)
+    assert mask._adjust(384, 384).seq_lengths == (384, 384)
+    with pytest.raises(ValueError, match="new_q_len must be a positive int"):
+        mask._adjust(0, 300)
+
+
+def test_to_device_returns_a_moved_copy():
+    mask = create_block_mask(causal_mask, 1, 2, 300, 300, device=CPU)
+    moved = mask.to("meta")
+    for name in TENSOR_FIELDS:
+        assert getattr(moved, name).device.type == "meta"
+        assert getattr(mask, name).device.type == "cpu"
+    assert moved.seq_lengths == mask.seq_lengths and moved.mask_mod is causal_mask
+    assert_same_block_mask(mask.to(CPU), mask)
+
+
+@pytest.mark.parametrize("with_full", [True, False])
+def test_from_kv_blocks_derives_torchs_transposed_view(with_full):
+    mask_mod = MASK_CASES["document_per_batch"](2, 1, 900, 1000)
+    theirs = torch_flex.create_block_mask(mask_mod, 2, 1, 900, 1000, device=CPU, BLOCK_SIZE=(64, 128))
+    full = (theirs.full_kv_num_blocks, theirs.full_kv_indices) if with_full else (None, None)
+    ours = BlockMask.from_kv_blocks(
+        theirs.kv_num_blocks, theirs.kv_indices, *full, BLOCK_SIZE=(64, 128), seq_lengths=(900, 1000)
+    )
+    expected = torch_flex.BlockMask.from_kv_blocks(
+        theirs.kv_num_blocks, theirs.kv_indices, *full, BLOCK_SIZE=(64, 128), seq_lengths=(900, 1000)
+    )
+    assert_same_block_mask(ours, expected)
+    assert ours.mask_mod is noop_mask
+
+
+def test_from_kv_blocks_defaults_and_validation():
+    num = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[1, 0, 2], [0, 2, 1]]]], dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=64)
+    assert mask.seq_lengths == (128, 192) and mask.BLOCK_SIZE == (64, 64)
+    assert mask.q_num_blocks.tolist() == [[[1, 1, 1]]]
+    assert mask.q_indices.tolist() == [[[[1, 0], [0, 1], [1, 0]]]]
+    with pytest.raises(ValueError, match="given together"):
+        BlockMask.from_kv_blocks(num, idx, full_kv_num_blocks=num)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        BlockMask.from_kv_blocks(num[0, 0], idx[0, 0, 0])
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(64, -1))
+
+
+# --------------------------------------------------------------------------------------
+# pytree and torch.compile
+# --------------------------------------------------------------------------------------
+
+
+def test_pytree_round_trip_keeps_everything():
+    mask = create_block_mask(causal_mask, 2, 1, 300, 200, device=CPU, BLOCK_SIZE=(128, 64))
+    leaves, spec = pytree.tree_flatten(mask)
+    assert len(leaves) == 8 and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    rebuilt = pytree.tree_unflatten(leaves, spec)
+    assert isinstance(rebuilt, BlockMask) and rebuilt.mask_mod is causal_mask
+    assert_same_block_mask(rebuilt, mask)
+    partial_only = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices)
+    assert len(pytree.tree_leaves(partial_only)) == 4
+    keyed, _ = pytree.tree_flatten_with_path(mask)
+    assert pytree.keystr(keyed[0][0]) == ".kv_num_blocks"
+
+
+def test_pytree_specs_of_recreated_closures_compare_equal():
+    doc_ids = torch.arange(300) // 100
+
+    def build(ids):
+        return create_block_mask(document_mask(ids), 1, 1, 300, 300, device=CPU)
+
+    _, spec_a = pytree.tree_flatten(build(doc_ids))
+    _, spec_b = pytree.tree_flatten(build(doc_ids))
+    _, spec_c = pytree.tree_flatten(build(doc_ids.clone()))
+    _, spec_d = pytree.tree_flatten(create_block_mask(causal_mask, 1, 1, 300, 300, device=CPU))
+    assert spec_a == spec_b
+    assert spec_a != spec_c
+    assert spec_a != spec_d
+
+
+def test_block_mask_is_a_fullgraph_compile_argument():
+    mask = create_block_mask(causal_mask, 2, 1, 300, 300, device=CPU)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def use(x, block_mask):
+        q_len, kv_len, kv_num, *_rest, q_block, kv_block, mask_mod = block_mask.as_tuple()
+        index = torch.tensor(7)
+        allowed = mask_mod(index, index, index, index - 1)
+        return x * q_len + kv_num.sum() + allowed.int() + block_mask.full_q_indices.sum()
+
+    x = torch.ones(3)
+    expected = 300 + mask.kv_num_blocks.sum() + 1 + mask.full_q_indices.sum()
+    assert torch.equal(use(x, mask), x * expected)
+
+
+def test_block_mask_built_inside_compiled_function():
+    @torch.compile(fullgraph=True, backend="eager")
+    def build(num, idx):
+        return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=64)
+
+    num = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[1, 0, 2], [0, 2, 1]]]], dtype=torch.int32)
+    compiled = build(num, idx)
+    assert isinstance(compiled, BlockMask)
+    assert_same_block_mask(compiled, BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=64))
+
+
+def test_block_mask_is_an_export_input():
+    mask = create_block_mask(causal_mask, 1, 1, 256, 256, device=CPU)
+
+    class CountBlocks(torch.nn.Module):
+        def forward(self, x, block_mask):
+            return x + block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum()
+
+    program = torch.export.export(CountBlocks(), (torch.zeros(2), mask))
+    inputs = program.graph_signature.user_inputs
+    assert any(re.search("kv_num_blocks", name) for name in inputs)
+    assert torch.equal(program.module()(torch.zeros(2), mask), torch.full((2,), 3.0))
