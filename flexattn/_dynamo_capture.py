@@ -13,10 +13,12 @@ when flexattn is imported.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import _compat
-from ._hop import BM_MASK_MOD, BLOCK_MASK_TUPLE_LEN, IndexWithTensors, flex_attention_hop
+from ._hop import BM_MASK_MOD, BLOCK_MASK_TUPLE_LEN, IndexWithTensors, MutatingModError, flex_attention_hop
 
 _HOP_ARG_NAMES = (
     "query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options",
@@ -66,6 +68,7 @@ def _make_variable_class():
                     set_subgraph_inputs="flatten_manual",
                 )
             _check_mod_output(name, body_out)
+            _reject_mutation(name, body_graph)
             attr_name = tx.output.install_subgraph(name, torch.fx.GraphModule(tx.output.nn_modules, body_graph))
             return support.make_attr(tx, attr_name), tuple(lifted)
 
@@ -115,6 +118,35 @@ def _check_mod_output(name: str, body_out) -> None:
             f"but it returned shape {tuple(example.shape)}. Reductions and broadcasts over "
             f"captured tensors are not allowed inside a mod."
         )
+
+
+_IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift,
+})
+
+
+def _is_in_place_torch_function(target) -> bool:
+    """torch.xxx_ style functions (``torch.relu_``, ``torch.Tensor.add_``)."""
+    name = getattr(target, "__name__", "")
+    module = getattr(target, "__module__", None) or ""
+    return module.startswith("torch") and name.endswith("_") and not name.startswith("_")
+
+
+def _reject_mutation(name: str, graph: torch.fx.Graph) -> None:
+    """Raise ``MutatingModError`` when a speculated mod writes to a tensor in place."""
+    for node in graph.nodes:
+        in_place_method = node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_")
+        in_place_function = node.op == "call_function" and (
+            node.target in _IN_PLACE_OPERATORS or _is_in_place_torch_function(node.target)
+        )
+        if in_place_method or in_place_function:
+            raise MutatingModError(
+                f"flexattn: {name} must be a pure function of its arguments, but it writes in "
+                f"place ({node.format_node()}). Return a new value instead of mutating "
+                f"(e.g. use `score + x`, not `score.add_(x)` or `table[i] = ...`)."
+            )
 
 
 def register() -> None:

@@ -1,0 +1,108 @@
+"""Bad input gets an error that names the argument, what was expected and what came."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn
+from flexattn import mods
+
+
+def _qkv(B=2, H=4, Hkv=4, L=16, S=16, E=8, Ev=8, dtype=torch.float32):
+    return (
+        torch.randn(B, H, L, E, dtype=dtype),
+        torch.randn(B, Hkv, S, E, dtype=dtype),
+        torch.randn(B, Hkv, S, Ev, dtype=dtype),
+    )
+
+
+def _call(*args, **kwargs):
+    return flexattn.flex_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda q, k, v: (q[0], k, v), r"query must be 4-D \(B, H, L, E\), got shape \(4, 16, 8\)"),
+        (lambda q, k, v: (q, k[0], v), r"key must be 4-D"),
+        (lambda q, k, v: (q, k, v.unsqueeze(0)), r"value must be 4-D"),
+        (lambda q, k, v: (q.long(), k, v), r"query must have a floating dtype"),
+        (lambda q, k, v: (q, k.half(), v), r"share one dtype, got query torch.float32, key torch.float16"),
+        (lambda q, k, v: (q, k[..., :4], v), r"key's head dim must equal query's \(8\)"),
+        (lambda q, k, v: (q, k, v[:, :, :8]), r"key and value must agree"),
+        (lambda q, k, v: (q, k[:, :2], v[:, :2]), r"query has 4 heads and key/value 2.*enable_gqa=True"),
+        (lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), r"batch must be 1 \(broadcast\) or query's batch 2, got 4"),
+        (lambda q, k, v: ("q", k, v), r"query must be a torch.Tensor, got str"),
+    ],
+)
+def test_bad_tensors(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _call(*make(*_qkv()))
+
+
+def test_gqa_needs_divisible_heads():
+    q, k, v = _qkv(H=4, Hkv=3)
+    with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of key/value heads \(3\)"):
+        _call(q, k, v, enable_gqa=True)
+
+
+def test_head_dim_limits():
+    q, k, v = _qkv(E=512, Ev=8)
+    with pytest.raises(ValueError, match=r"head dim E must be between 1 and 256, got 512"):
+        _call(q, k, v)
+
+
+def test_block_mask_checks():
+    q, k, v = _qkv(L=40, S=40)
+    small = flexattn.create_block_mask(mods.causal_mask, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match=r"made for \(Q_LEN, KV_LEN\) = \(32, 32\) but query/key have \(40, 40\)"):
+        _call(q, k, v, block_mask=small)
+    wrong_batch = flexattn.create_block_mask(mods.causal_mask, 3, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match=r"block_mask has batch 3 and heads 1; expected batch 1 or 2"):
+        _call(q, k, v, block_mask=wrong_batch)
+    with pytest.raises(TypeError, match=r"block_mask must be a flexattn.BlockMask"):
+        _call(q, k, v, block_mask=torch.ones(40, 40, dtype=torch.bool))
+
+
+def test_block_mask_for_longer_sequences_is_retargeted():
+    q, k, v = _qkv(L=40, S=40)
+    big = flexattn.create_block_mask(mods.causal_mask, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    exact = flexattn.create_block_mask(mods.causal_mask, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    torch.testing.assert_close(_call(q, k, v, block_mask=big), _call(q, k, v, block_mask=exact))
+
+
+def test_mod_and_option_checks():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"score_mod must take 5 arguments \(score, b, h, q_idx, kv_idx\), but it takes 2"):
+        _call(q, k, v, score_mod=lambda s, b: s)
+    with pytest.raises(TypeError, match=r"score_mod must be callable"):
+        _call(q, k, v, score_mod=3)
+    with pytest.raises(ValueError, match=r"unknown kernel_options \['BLOCK_Q'\]"):
+        _call(q, k, v, kernel_options={"BLOCK_Q": 64})
+    with pytest.raises(ValueError, match=r"either return_lse or return_aux"):
+        _call(q, k, v, return_lse=True, return_aux=flexattn.AuxRequest(lse=True))
+    with pytest.raises(TypeError, match=r"scale must be a float or None, got str"):
+        _call(q, k, v, scale="0.5")
+
+
+def test_mutating_score_mod_eager_is_rejected():
+    q, k, v = _qkv()
+    hits = torch.zeros(1)
+
+    def mutating(score, b, h, qi, ki):
+        hits.add_(1)
+        return score
+
+    with pytest.raises(Exception, match=r"score_mod must be a pure function"):
+        _call(q, k, v, score_mod=mutating)
+
+
+def test_return_shapes_and_dtypes():
+    q, k, v = _qkv(B=2, H=4, Hkv=2, L=10, S=12, E=8, Ev=6)
+    out = _call(q, k, v, enable_gqa=True)
+    assert out.shape == (2, 4, 10, 6) and out.dtype == torch.float32
+    out, lse = _call(q, k, v, enable_gqa=True, return_lse=True)
+    assert lse.shape == (2, 4, 10) and lse.dtype == torch.float32
+    out, aux = _call(q, k, v, enable_gqa=True, return_aux=flexattn.AuxRequest(max_scores=True))
+    assert aux.lse is None and aux.max_scores.shape == (2, 4, 10)
