@@ -382,13 +382,57 @@ def _reduce_axis_to_blocks(
     return torch.cat(any_parts, dim), torch.cat(all_parts, dim)
 
 
-def _block_flags(allowed: Tensor, q_block: int, kv_block: int) -> tuple[Tensor, Tensor]:
+_BYTES_PER_WORD = 8
+_ALL_TRUE_WORD = int.from_bytes(bytes([1] * _BYTES_PER_WORD), "little")
+
+
+def _as_words(allowed: Tensor, kv_block: int) -> Tensor | None:
+    """View a bool mask as int64 words of 8 consecutive KV positions, if the layout allows.
+
+    A bool is one byte holding 0 or 1, so a word is 0 when its 8 positions are all
+    masked and ``_ALL_TRUE_WORD`` when all are allowed; reducing words instead of bools
+    does 8x fewer element operations. Needs whole words per block and 8-byte aligned rows.
+    """
+    if kv_block % _BYTES_PER_WORD or allowed.dim() == 0 or allowed.stride(-1) != 1:
+        return None
+    if allowed.shape[-1] % _BYTES_PER_WORD or allowed.storage_offset() % _BYTES_PER_WORD:
+        return None
+    if any(stride % _BYTES_PER_WORD for size, stride in zip(allowed.shape[:-1], allowed.stride()[:-1]) if size > 1):
+        return None
+    return allowed.view(torch.uint8).view(torch.int64)
+
+
+def _reduce_kv_axis(allowed: Tensor, kv_block: int, use_words: bool) -> tuple[Tensor, Tensor]:
+    """(..., rows, KV) bool -> per KV block (any, all) flags (..., rows, KVB).
+
+    ``use_words`` enables the int64-word shortcut (eager only: under torch.compile the
+    layout checks cannot be traced, and Inductor fuses the plain reduction anyway).
+    """
+    kv_len = allowed.shape[-1]
+    whole = kv_len // kv_block
+    aligned_part = allowed.narrow(-1, 0, whole * kv_block)
+    words = _as_words(aligned_part, kv_block) if whole and use_words else None
+    if words is None:
+        return _reduce_axis_to_blocks(allowed, allowed, -1, kv_block)
+    runs = words.unflatten(-1, (whole, kv_block // _BYTES_PER_WORD))
+    any_kv = runs.ne(0).any(-1)
+    all_kv = runs.eq(_ALL_TRUE_WORD).all(-1)
+    if whole * kv_block < kv_len:
+        tail = allowed.narrow(-1, whole * kv_block, kv_len - whole * kv_block).any(-1, keepdim=True)
+        any_kv = torch.cat([any_kv, tail], -1)
+        all_kv = torch.cat([all_kv, torch.zeros_like(tail)], -1)
+    return any_kv, all_kv
+
+
+def _block_flags(
+    allowed: Tensor, q_block: int, kv_block: int, use_words: bool = True
+) -> tuple[Tensor, Tensor]:
     """Element mask (b, h, rows, KV) -> per-block (any, all) flags (b, h, QB, KVB).
 
     The KV axis is reduced first (it is the contiguous one and shrinks the data
     kv_block-fold), then the query axis on the already small tensor.
     """
-    any_kv, all_kv = _reduce_axis_to_blocks(allowed, allowed, -1, kv_block)
+    any_kv, all_kv = _reduce_kv_axis(allowed, kv_block, use_words)
     return _reduce_axis_to_blocks(any_kv, all_kv, -2, q_block)
 
 
@@ -428,7 +472,7 @@ def _compute_block_flags(
             raise TypeError(
                 f"mask_mod {_mod_name(mask_mod)} must return a bool tensor, got {allowed.dtype}"
             )
-        return _block_flags(allowed, q_block, kv_block)
+        return _block_flags(allowed, q_block, kv_block, use_words=not compile_chunks)
 
     if compile_chunks:
         evaluate_chunk = torch.compile(evaluate_chunk, backend=COMPILE_BACKEND, fullgraph=True)

@@ -1,7 +1,8 @@
 """Shared mask cases and comparison helpers for the BlockMask and mods tests.
 
-Each mask case is a factory ``(B, H, Q_LEN, KV_LEN) -> mask_mod`` (some masks capture
-tensors sized by the lengths), named for readable test ids.
+Each mask case is a factory ``(B, H, Q_LEN, KV_LEN, device="cpu") -> mask_mod`` (some
+masks capture tensors sized by the lengths, created on ``device``), named for readable
+test ids.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from flexattn.mods import causal_mask, document_mask, prefix_lm, sliding_window
 TENSOR_FIELDS = BlockMask._TENSOR_FIELDS
 
 
-def _document_ids(length: int, num_docs: int) -> torch.Tensor:
+def _document_ids(length: int, num_docs: int, device="cpu") -> torch.Tensor:
     """Deterministic uneven document ids: boundaries at fixed fractions of the length."""
     bounds = torch.tensor([0.13, 0.4, 0.55, 0.9][: num_docs - 1]) * length
-    return torch.bucketize(torch.arange(length), bounds.long(), right=True)
+    return torch.bucketize(torch.arange(length), bounds.long(), right=True).to(device)
 
 
-def _batched_document_ids(B: int, length: int) -> torch.Tensor:
-    return torch.stack([_document_ids(length, 2 + b % 4) for b in range(B)])
+def _batched_document_ids(B: int, length: int, device="cpu") -> torch.Tensor:
+    return torch.stack([_document_ids(length, 2 + b % 4) for b in range(B)]).to(device)
 
 
 def _all_false(b, h, q_idx, kv_idx):
@@ -43,21 +44,25 @@ def _head_dependent(b, h, q_idx, kv_idx):
 
 
 MASK_CASES = {
-    "causal": lambda B, H, Q, KV: causal_mask,
-    "sliding_window_64": lambda B, H, Q, KV: sliding_window(64),
-    "sliding_window_200_bidir": lambda B, H, Q, KV: sliding_window(200, causal=False),
-    "prefix_lm_70": lambda B, H, Q, KV: prefix_lm(70),
-    "prefix_lm_per_batch": lambda B, H, Q, KV: prefix_lm(torch.tensor([5, 300, 1000])[: B or 1]),
-    "document": lambda B, H, Q, KV: document_mask(_document_ids(max(Q, KV), 4)),
-    "document_per_batch": lambda B, H, Q, KV: document_mask(_batched_document_ids(B or 1, max(Q, KV))),
-    "causal_and_document": lambda B, H, Q, KV: and_masks(
-        causal_mask, document_mask(_document_ids(max(Q, KV), 3))
+    "causal": lambda B, H, Q, KV, device="cpu": causal_mask,
+    "sliding_window_64": lambda B, H, Q, KV, device="cpu": sliding_window(64),
+    "sliding_window_200_bidir": lambda B, H, Q, KV, device="cpu": sliding_window(200, causal=False),
+    "prefix_lm_70": lambda B, H, Q, KV, device="cpu": prefix_lm(70),
+    "prefix_lm_per_batch": lambda B, H, Q, KV, device="cpu": prefix_lm(
+        torch.tensor([5, 300, 1000], device=device)[: B or 1]
     ),
-    "window_or_prefix": lambda B, H, Q, KV: or_masks(sliding_window(30), prefix_lm(20)),
-    "all_false": lambda B, H, Q, KV: _all_false,
-    "full": lambda B, H, Q, KV: _full,
-    "some_rows_empty": lambda B, H, Q, KV: _some_rows_empty,
-    "head_dependent": lambda B, H, Q, KV: _head_dependent,
+    "document": lambda B, H, Q, KV, device="cpu": document_mask(_document_ids(max(Q, KV), 4, device)),
+    "document_per_batch": lambda B, H, Q, KV, device="cpu": document_mask(
+        _batched_document_ids(B or 1, max(Q, KV), device)
+    ),
+    "causal_and_document": lambda B, H, Q, KV, device="cpu": and_masks(
+        causal_mask, document_mask(_document_ids(max(Q, KV), 3, device))
+    ),
+    "window_or_prefix": lambda B, H, Q, KV, device="cpu": or_masks(sliding_window(30), prefix_lm(20)),
+    "all_false": lambda B, H, Q, KV, device="cpu": _all_false,
+    "full": lambda B, H, Q, KV, device="cpu": _full,
+    "some_rows_empty": lambda B, H, Q, KV, device="cpu": _some_rows_empty,
+    "head_dependent": lambda B, H, Q, KV, device="cpu": _head_dependent,
 }
 
 

@@ -32,6 +32,7 @@ from tests._mask_cases import (
 
 CPU = "cpu"
 SIZES = [(1, 1), (17, 17), (127, 127), (129, 129), (255, 255), (1000, 1000), (17, 1000), (1000, 129), (256, 384)]
+SIZES_FOR_LAYOUTS = [(1, 1), (17, 17), (129, 129), (1000, 1000), (17, 1000), (1000, 129)]
 BLOCK_SIZES = [128, (128, 64), (64, 128)]
 BATCH_HEADS = [(None, None), (2, 3), (1, 3), (3, None)]
 
@@ -63,7 +64,7 @@ def test_matches_torch_for_every_case_and_size(case, size):
 
 @pytest.mark.parametrize("batch_heads", BATCH_HEADS, ids=str)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=str)
-@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("size", SIZES_FOR_LAYOUTS, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("case", ["causal", "document_per_batch", "head_dependent"])
 def test_matches_torch_for_block_sizes_and_broadcast_dims(case, size, block_size, batch_heads):
     B, H = batch_heads
@@ -79,7 +80,7 @@ def test_block_kinds_match_brute_force(case):
     B, H, Q, KV = 2, 2, 300, 200
     mask_mod = MASK_CASES[case](B, H, Q, KV)
     dense = create_mask(mask_mod, B, H, Q, KV, device=CPU)
-    for block_size in [(64, 32), (128, 128)]:
+    for block_size in [(64, 32), (128, 128), (48, 12)]:
         mask = create_block_mask(mask_mod, B, H, Q, KV, device=CPU, BLOCK_SIZE=block_size)
         assert torch.equal(_block_kinds(mask), reference_block_kinds(dense, *block_size))
 
@@ -307,7 +308,7 @@ def test_to_string_draws_full_partial_and_empty_blocks():
 
 
 def test_to_string_groups_blocks_and_limits_pictures():
-    mask = create_block_mask(causal_mask, 2, 3, 8192, 8192, device=CPU, BLOCK_SIZE=(128, 128))
+    mask = create_block_mask(causal_mask, 2, 3, 2048, 2048, device=CPU, BLOCK_SIZE=32)
     text = mask.to_string(grid_size=(8, 16), limit=2)
     pictures = [line for line in text.splitlines() if line.startswith("[b=")]
     assert pictures == ["[b=0, h=0]", "[b=0, h=1]"]
@@ -316,7 +317,7 @@ def test_to_string_groups_blocks_and_limits_pictures():
     assert len(rows) == 2 * 8 and all(len(row) == 2 + 2 * 16 for row in rows)
     full_grid = mask[0, 0].to_string(grid_size=-1)
     assert sum(line.startswith("|") for line in full_grid.splitlines()) == 64
-    assert "one cell = 8x4 blocks" in text
+    assert "one cell = 8x4 blocks of 32x32" in text
 
 
 def test_repr_and_str_tell_what_the_mask_holds():
@@ -496,3 +497,13 @@ def test_block_mask_is_an_export_input():
     inputs = program.graph_signature.user_inputs
     assert any(re.search("kv_num_blocks", name) for name in inputs)
     assert torch.equal(program.module()(torch.zeros(2), mask), torch.full((2,), 3.0))
+
+
+
+@pytest.mark.parametrize("case", ["causal_and_document", "document_per_batch", "head_dependent"])
+def test_same_layout_on_the_test_device(device, case):
+    on_cpu = create_block_mask(MASK_CASES[case](2, 3, 1000, 600), 2, 3, 1000, 600, device=CPU)
+    mask_mod = MASK_CASES[case](2, 3, 1000, 600, device=device)
+    on_device = create_block_mask(mask_mod, 2, 3, 1000, 600, device=device)
+    assert on_device.kv_indices.device.type == torch.device(device).type
+    assert_same_block_mask(on_device, on_cpu)
