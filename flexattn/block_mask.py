@@ -39,6 +39,7 @@ PyTorch's rule.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -54,6 +55,7 @@ __all__ = [
     "BlockMask",
     "COMPILE_BACKEND",
     "DEFAULT_BLOCK_SIZE",
+    "BYTES_PER_MASK_ELEMENT",
     "MASK_CHUNK_BYTES",
     "and_masks",
     "create_block_mask",
@@ -65,10 +67,16 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 128
 """Default tile edge, in tokens, for both the query and the KV axis."""
 
-MASK_CHUNK_BYTES = 256 * 1024 * 1024
-"""Budget, in bytes of bool mask, for one chunk of mask evaluation in create_block_mask.
+MASK_CHUNK_BYTES = 1024 * 1024 * 1024
+"""Working-memory budget, in bytes, for one chunk of mask evaluation in create_block_mask.
 
-Read at call time, so tests (or memory-starved users) may lower it."""
+A chunk evaluates ``MASK_CHUNK_BYTES // BYTES_PER_MASK_ELEMENT`` (b, h, q, kv) points:
+the bool result plus the int64 temporaries a typical mask_mod computes on the way
+(``q_idx - kv_idx`` and the like). Read at call time, so tests (or memory-starved
+users) may lower it."""
+
+BYTES_PER_MASK_ELEMENT = 16
+"""Assumed working bytes per evaluated mask element (two int64 temporaries)."""
 
 COMPILE_BACKEND = "inductor"
 """torch.compile backend used by ``create_block_mask(..., _compile=True)``."""
@@ -437,9 +445,9 @@ def _block_flags(
 
 
 def _chunk_plan(B: int, H: int, QB: int, q_block: int, KV_LEN: int, budget: int):
-    """Chunk sizes (batches, heads, query blocks) whose bool mask fits ``budget`` bytes.
+    """Chunk sizes (batches, heads, query blocks) of at most ``budget`` mask elements.
 
-    The unit is one query block of one (batch, head): q_block * KV_LEN bytes. Query
+    The unit is one query block of one (batch, head): q_block * KV_LEN elements. Query
     blocks are grown first, then heads, then batches. At least one unit is evaluated
     per chunk even if it alone exceeds the budget.
     """
@@ -448,6 +456,49 @@ def _chunk_plan(B: int, H: int, QB: int, q_block: int, KV_LEN: int, budget: int)
     heads = min(H, max(1, units // q_blocks)) if q_blocks == QB else 1
     batches = min(B, max(1, units // (q_blocks * heads))) if heads == H and q_blocks == QB else 1
     return batches, heads, q_blocks
+
+
+def _evaluate_chunk(
+    mask_mod: MaskMod,
+    b: Tensor,
+    h: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    q_block: int,
+    kv_block: int,
+    use_words: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Evaluate ``mask_mod`` on one chunk of the grid and reduce it to block flags."""
+    allowed = _evaluate_mod(mask_mod, b, h, q, kv)
+    if allowed.dtype != torch.bool:
+        raise TypeError(
+            f"mask_mod {_mod_name(mask_mod)} must return a bool tensor, got {allowed.dtype}"
+        )
+    return _block_flags(allowed, q_block, kv_block, use_words=use_words)
+
+
+def _compiled_chunk_evaluator_uncached(backend: str):
+    def evaluate(mask_mod, b, h, q, kv, q_block, kv_block):
+        return _evaluate_chunk(mask_mod, b, h, q, kv, q_block, kv_block, use_words=False)
+
+    # Not fullgraph: should a mask_mod defeat tracing, or the recompile limit be reached
+    # after many distinct mask_mods, Dynamo falls back to eager instead of failing.
+    return torch.compile(evaluate, backend=backend)
+
+
+_COMPILED_EVALUATORS: dict[str, Callable[..., Any]] = {}
+
+
+def _compiled_chunk_evaluator() -> Callable[..., Any]:
+    """One compiled chunk evaluator per backend, shared by all calls.
+
+    The mask_mod is an argument (not a closure of a per-call function), so Dynamo's
+    cache entries are reused across create_block_mask calls with the same mask_mod
+    code, and chunk shapes become dynamic after the first recompile.
+    """
+    if COMPILE_BACKEND not in _COMPILED_EVALUATORS:
+        _COMPILED_EVALUATORS[COMPILE_BACKEND] = _compiled_chunk_evaluator_uncached(COMPILE_BACKEND)
+    return _COMPILED_EVALUATORS[COMPILE_BACKEND]
 
 
 def _compute_block_flags(
@@ -466,18 +517,13 @@ def _compute_block_flags(
     any_blocks = torch.empty(B, H, QB, KVB, dtype=torch.bool, device=device)
     all_blocks = torch.empty(B, H, QB, KVB, dtype=torch.bool, device=device)
 
-    def evaluate_chunk(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
-        allowed = _evaluate_mod(mask_mod, b, h, q, kv)
-        if allowed.dtype != torch.bool:
-            raise TypeError(
-                f"mask_mod {_mod_name(mask_mod)} must return a bool tensor, got {allowed.dtype}"
-            )
-        return _block_flags(allowed, q_block, kv_block, use_words=not compile_chunks)
-
     if compile_chunks:
-        evaluate_chunk = torch.compile(evaluate_chunk, backend=COMPILE_BACKEND, fullgraph=True)
+        evaluate_chunk = functools.partial(_compiled_chunk_evaluator(), mask_mod)
+    else:
+        evaluate_chunk = functools.partial(_evaluate_chunk, mask_mod)
 
-    batches, heads, q_blocks = _chunk_plan(B, H, QB, q_block, KV_LEN, MASK_CHUNK_BYTES)
+    budget = max(1, MASK_CHUNK_BYTES // BYTES_PER_MASK_ELEMENT)
+    batches, heads, q_blocks = _chunk_plan(B, H, QB, q_block, KV_LEN, budget)
     kv = torch.arange(KV_LEN, device=device)
     with torch.no_grad():
         for b0 in range(0, B, batches):
@@ -487,7 +533,7 @@ def _compute_block_flags(
                 for qb0 in range(0, QB, q_blocks):
                     qb1 = min(qb0 + q_blocks, QB)
                     q = torch.arange(qb0 * q_block, min(qb1 * q_block, Q_LEN), device=device)
-                    chunk_any, chunk_all = evaluate_chunk(b, h, q, kv)
+                    chunk_any, chunk_all = evaluate_chunk(b, h, q, kv, q_block, kv_block)
                     where = (slice(b0, b0 + b.numel()), slice(h0, h0 + h.numel()), slice(qb0, qb1))
                     any_blocks[where] = chunk_any
                     all_blocks[where] = chunk_all

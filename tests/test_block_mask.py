@@ -102,6 +102,7 @@ def test_long_causal_mask_has_closed_form_layout():
 @pytest.mark.parametrize("budget", [1, 128 * 1000, 3 * 128 * 1000 + 5, 2 * 3 * 9 * 128 * 1000 - 1])
 @pytest.mark.parametrize("case", ["causal_and_document", "head_dependent", "prefix_lm_per_batch"])
 def test_chunked_equals_one_shot(monkeypatch, case, budget):
+    """``budget`` is in mask elements; the byte budget is set to match it."""
     B, H, Q, KV = 2, 3, 1100, 1000
     mask_mod = MASK_CASES[case](B, H, Q, KV)
     one_shot = create_block_mask(mask_mod, B, H, Q, KV, device=CPU)
@@ -112,7 +113,7 @@ def test_chunked_equals_one_shot(monkeypatch, case, budget):
         calls.append(b.numel() * h.numel() * q.numel() * kv.numel())
         return original(mod, b, h, q, kv, score)
 
-    monkeypatch.setattr(bm, "MASK_CHUNK_BYTES", budget)
+    monkeypatch.setattr(bm, "MASK_CHUNK_BYTES", budget * bm.BYTES_PER_MASK_ELEMENT)
     monkeypatch.setattr(bm, "_evaluate_mod", counting)
     chunked = create_block_mask(mask_mod, B, H, Q, KV, device=CPU)
     assert_same_block_mask(chunked, one_shot)
@@ -140,13 +141,19 @@ def test_chunk_plan_fits_budget(B, H, QB, budget_units, expected):
     assert plan[0] * plan[1] * plan[2] <= budget_units
 
 
-def test_compiled_chunks_equal_eager(monkeypatch):
+def test_compiled_chunks_equal_eager_without_graph_breaks(monkeypatch):
+    from torch._dynamo.utils import counters
+
     monkeypatch.setattr(bm, "COMPILE_BACKEND", "aot_eager")
-    monkeypatch.setattr(bm, "MASK_CHUNK_BYTES", 4 * 128 * 300)
-    mask_mod = MASK_CASES["causal_and_document"](2, 1, 600, 300)
-    compiled = create_block_mask(mask_mod, 2, 1, 600, 300, device=CPU, _compile=True)
-    eager = create_block_mask(mask_mod, 2, 1, 600, 300, device=CPU)
-    assert_same_block_mask(compiled, eager)
+    monkeypatch.setattr(bm, "MASK_CHUNK_BYTES", 4 * 128 * 300 * bm.BYTES_PER_MASK_ELEMENT)
+    counters.clear()
+    for case in ["causal_and_document", "head_dependent"]:
+        mask_mod = MASK_CASES[case](2, 1, 600, 300)
+        compiled = create_block_mask(mask_mod, 2, 1, 600, 300, device=CPU, _compile=True)
+        eager = create_block_mask(mask_mod, 2, 1, 600, 300, device=CPU)
+        assert_same_block_mask(compiled, eager)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
 
 
 def test_non_bool_mask_mod_is_rejected():
