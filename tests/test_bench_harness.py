@@ -1,0 +1,172 @@
+"""The benchmark harness itself (bench/bench_attention.py, bench/plot.py), on the CPU.
+
+Runs the harness's --dry-run in-process (tiny shapes, float32, eager compile backend)
+into a temporary folder and checks the JSON and markdown it writes, the recording of a
+failing implementation, merging of result files and the plot.
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import flexattn
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+CASES = "causal_s8192_d128,causal_alibi_s8192_d128,document8_s8192_d128,gqa32on8_causal_s8192_d128"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("bench_attention")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    report = bench.main(["--dry-run", "--cases", CASES, "--out", str(out)])
+    return out, report
+
+
+def _cells(report):
+    return {(r["case"], r["mode"], r["impl"]): r for r in report["results"]}
+
+
+def test_dry_run_writes_json_markdown_and_latest(dry_run):
+    out, report = dry_run
+    written = sorted(p.name for p in out.iterdir())
+    stems = [n[: -len(".json")] for n in written if n.startswith("attention-cpu-") and n.endswith(".json")]
+    assert len(stems) == 1 and f"{stems[0]}.md" in written
+    assert {"latest.json", "latest.md"} <= set(written)
+    saved = json.loads((out / f"{stems[0]}.json").read_text())
+    assert saved == json.loads((out / "latest.json").read_text())
+    for key in ("gpu", "torch", "triton", "command", "date", "settings", "cases", "results", "summary"):
+        assert key in saved, key
+    assert saved["gpu"] == "cpu" and saved["settings"]["dtype"] == "float32"
+    assert saved["settings"]["compile_backend"] == "eager"
+    assert "--dry-run" in saved["command"]
+    assert (out / f"{stems[0]}.md").read_text().startswith(saved["markdown"])
+
+
+def test_every_case_mode_and_impl_has_a_cell(dry_run):
+    _, report = dry_run
+    names = CASES.split(",")
+    assert [c["name"] for c in report["cases"]] == names
+    cells = _cells(report)
+    assert len(cells) == len(report["results"]) == len(names) * 2 * 4
+    for name in names:
+        for mode in ("fwd", "fwdbwd"):
+            for impl in bench.IMPLS:
+                cell = cells[(name, mode, impl)]
+                assert ("ms" in cell) + ("error" in cell) + ("note" in cell) == 1, cell
+
+
+def test_flex_cells_are_timed_checked_and_counted(dry_run):
+    _, report = dry_run
+    cells = _cells(report)
+    info = {c["name"]: c for c in report["cases"]}
+    for name in CASES.split(","):
+        case = info[name]
+        assert case["density_kind"] == "exact"
+        assert 0 < case["density"] <= case["density_block_torch"] <= 1
+        assert case["density_block_flexattn"] == pytest.approx(case["density_block_torch"])
+        assert case["fwd_flops"] == pytest.approx(
+            4 * case["B"] * case["H"] * case["S"] ** 2 * case["D"] * case["density"]
+        )
+        for impl in ("flexattn", "torch_flex"):
+            cell = cells[(name, "fwd", impl)]
+            assert cell["ms"] > 0 and cell["compile_s"] > 0
+            assert cell["tflops"] == pytest.approx(case["fwd_flops"] / (cell["ms"] * 1e-3) / 1e12)
+        fwd = cells[(name, "fwd", "flexattn")]
+        assert fwd["max_abs_err"] < 1e-4 and fwd["err_flag"] is False
+        fwdbwd = cells[(name, "fwdbwd", "flexattn")]
+        assert fwdbwd["tflops"] == pytest.approx(3.5 * case["fwd_flops"] / (fwdbwd["ms"] * 1e-3) / 1e12)
+        assert "note" in cells[(name, "fwdbwd", "torch_flex")]
+    causal = CASES.split(",")[0]
+    assert "ms" in cells[(causal, "fwd", "sdpa_flash")]
+    assert cells[("causal_alibi_s8192_d128", "fwd", "sdpa_flash")]["note"] == "no SDPA variant"
+    assert info[causal]["density"] == pytest.approx((256 * 257 / 2) / 256**2)
+
+
+def test_ratios_geomean_and_table(dry_run):
+    _, report = dry_run
+    cells = _cells(report)
+    summary = report["summary"]
+    ratios = [summary["ratio"][name]["fwd"] for name in CASES.split(",")]
+    for name, ratio in zip(CASES.split(","), ratios):
+        expected = cells[(name, "fwd", "flexattn")]["tflops"] / cells[(name, "fwd", "torch_flex")]["tflops"]
+        assert ratio == pytest.approx(expected)
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    assert summary["geomean"]["fwd"] == pytest.approx(geomean)
+    assert summary["geomean_count"]["fwd"] == len(ratios)
+    table = report["markdown"]
+    assert "| case | mode | flexattn | torch flex | ratio |" in table
+    for name in CASES.split(","):
+        assert f"| {name} | fwd |" in table and f"| {name} | fwdbwd |" in table
+    assert "geomean flexattn/torch flex" in table
+
+
+def test_a_failing_implementation_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(flexattn, "flex_attention", broken)
+    report = bench.main(["--dry-run", "--cases", "causal_s8192_d128", "--mode", "fwd", "--out", str(tmp_path)])
+    cells = _cells(report)
+    failed = cells[("causal_s8192_d128", "fwd", "flexattn")]
+    assert "kernel exploded" in failed["error"]
+    assert "ms" in cells[("causal_s8192_d128", "fwd", "torch_flex")]
+    assert "ms" in cells[("causal_s8192_d128", "fwd", "sdpa_flash")]
+    captured = capsys.readouterr()
+    assert "warning: flexattn causal_s8192_d128 fwd failed" in captured.err
+    assert captured.out.rstrip().endswith(report["markdown"].splitlines()[-1])
+    assert "| causal_s8192_d128 | fwd | ERR |" in report["markdown"]
+
+
+def test_merge_combines_parts(dry_run, tmp_path):
+    out, report = dry_run
+    part = json.loads((out / "latest.json").read_text())
+    part["results"] = [r for r in part["results"] if r["mode"] == "fwd"]
+    first = tmp_path / "a.json"
+    first.write_text(json.dumps(part))
+    rest = dict(part, cases=part["cases"][:1], results=[r for r in report["results"] if r["mode"] == "fwdbwd"])
+    second = tmp_path / "b.json"
+    second.write_text(json.dumps(rest))
+    merged = bench.main(["--merge", str(first), str(second), "--out", str(tmp_path / "merged")])
+    assert len(merged["results"]) == len(report["results"])
+    assert merged["summary"]["geomean"]["fwd"] == pytest.approx(report["summary"]["geomean"]["fwd"])
+    assert [m["file"] for m in merged["merged_from"]] == [str(first), str(second)]
+
+
+def test_case_selection_and_modes():
+    names = [c.name for c in bench.full_suite()]
+    assert len(names) == len(set(names)) == 11
+    assert all(c.S == 4096 for c in bench.quick_suite())
+    args = bench.parse_args(["--quick"])
+    assert bench.select_modes(args) == ["fwd"]
+    assert [c.name for c in bench.select_cases(args)] == [c.name for c in bench.quick_suite()]
+    with pytest.raises(SystemExit):
+        bench.select_cases(bench.parse_args(["--cases", "no_such_case"]))
+    with pytest.raises(SystemExit):
+        bench.select_modes(bench.parse_args(["--mode", "bwd"]))
+    parts = [[c.name for c in bench.select_cases(bench.parse_args(["--part", f"{k}/3"]))] for k in (1, 2, 3)]
+    assert sum(parts, []) == names and all(len(part) in (3, 4) for part in parts)
+    with pytest.raises(SystemExit):
+        bench.select_cases(bench.parse_args(["--part", "4/3"]))
+
+
+def test_plot_writes_a_png(dry_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, _ = dry_run
+    plot = _load("plot")
+    png = plot.main([str(out / "latest.json"), "-o", str(tmp_path / "chart.png")])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
