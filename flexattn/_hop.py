@@ -144,13 +144,13 @@ class IndexWithTensors(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is Tensor.__getitem__:
-            indices = _as_aten_indices(args[1])
+            indices = _as_aten_indices(args[1], args[0].device)
             if indices is not None:
                 return torch.ops.aten.index.Tensor(args[0], indices)
         return func(*args, **kwargs)
 
 
-def _as_aten_indices(index: Any) -> list[Tensor | None] | None:
+def _as_aten_indices(index: Any, device: torch.device) -> list[Tensor | None] | None:
     """The ``aten.index`` form of a getitem index, or None when it has no tensors or
     uses something ``aten.index`` cannot express (a non-trivial slice, Ellipsis)."""
     items = index if isinstance(index, tuple) else (index,)
@@ -161,7 +161,7 @@ def _as_aten_indices(index: Any) -> list[Tensor | None] | None:
         if isinstance(item, Tensor):
             out.append(item)
         elif isinstance(item, int) and not isinstance(item, bool):
-            out.append(torch.tensor(item, dtype=torch.int64))
+            out.append(torch.tensor(item, dtype=torch.int64, device=device))
         elif isinstance(item, slice) and item == slice(None):
             out.append(None)
         else:
@@ -169,7 +169,7 @@ def _as_aten_indices(index: Any) -> list[Tensor | None] | None:
     return out
 
 
-def _vmap_over_bhmn(fn: Callable, with_score: bool, num_buffers: int) -> Callable:
+def vmap_over_bhmn(fn: Callable, with_score: bool, num_buffers: int) -> Callable:
     """Lift a mod on 0-d arguments to one on (B, H, L, S) grids by nested vmaps.
 
     The innermost vmap runs over kv_idx, the outermost over b; the score (when present)
@@ -189,14 +189,14 @@ def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> list[Te
 def apply_score_mod(score_mod: Callable, scores: Tensor, buffers: Sequence) -> Tensor:
     """score_mod applied to every entry of a (B, H, L, S) score tensor."""
     B, H, L, S = scores.shape
-    fn = _vmap_over_bhmn(score_mod, True, len(buffers))
+    fn = vmap_over_bhmn(score_mod, True, len(buffers))
     with IndexWithTensors():
         return fn(scores, *_index_grid(B, H, L, S, scores.device), *buffers)
 
 
 def apply_mask_mod(mask_mod: Callable, B: int, H: int, L: int, S: int, device, buffers: Sequence) -> Tensor:
     """mask_mod evaluated on every (b, h, q_idx, kv_idx): a bool (B, H, L, S) tensor."""
-    fn = _vmap_over_bhmn(mask_mod, False, len(buffers))
+    fn = vmap_over_bhmn(mask_mod, False, len(buffers))
     with IndexWithTensors():
         out = fn(*_index_grid(B, H, L, S, device), *buffers)
     return out.to(torch.bool).expand(B, H, L, S)

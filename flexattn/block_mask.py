@@ -49,7 +49,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
+
+from ._hop import IndexWithTensors, vmap_over_bhmn
 
 __all__ = [
     "BlockMask",
@@ -202,44 +203,6 @@ def _mod_arity(fn: Any, argument: str) -> int:
     return arity
 
 
-class _IndexWithTensors(TorchFunctionMode):
-    """Make ``captured[q_idx]`` index with the 0-d index tensor instead of its value.
-
-    Inside vmap the index arguments are batched tensors, and plain ``__getitem__`` would
-    convert a 0-d tensor index to a Python int (impossible for a batched tensor). This
-    mode reroutes indexing whose indices are all tensors or ints to ``aten.index``,
-    which vmap batches properly.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is Tensor.__getitem__:
-            indexed, index = args
-            parts = index if isinstance(index, tuple) else (index,)
-            if parts and all(isinstance(part, (Tensor, int)) and not isinstance(part, bool) for part in parts):
-                index_tensors = [
-                    part
-                    if isinstance(part, Tensor)
-                    else torch.tensor(part, dtype=torch.int64, device=indexed.device)
-                    for part in parts
-                ]
-                return torch.ops.aten.index.Tensor(indexed, index_tensors)
-        return func(*args, **kwargs)
-
-
-def _vmap_over_grid(fn: Callable[..., Tensor], with_score: bool) -> Callable[..., Tensor]:
-    """Lift a per-element mod to 1-D index vectors (b, h, q, kv) -> (B, H, Q, KV).
-
-    The innermost vmap maps the kv axis, the outermost the batch axis. For a score_mod
-    the score tensor is mapped along with each axis (its leading dim at every level).
-    """
-    score_dims = (0,) if with_score else ()
-    for mapped_axis in (3, 2, 1, 0):
-        index_dims = tuple(0 if axis == mapped_axis else None for axis in range(4))
-        fn = torch.vmap(fn, in_dims=score_dims + index_dims, out_dims=0)
-    return fn
-
-
 def _resolve_device(device: Any) -> torch.device:
     if device is None:
         accelerator = torch.accelerator.current_accelerator()
@@ -260,11 +223,11 @@ def _evaluate_mod(
     Returns a (len(b), len(h), len(q), len(kv)) tensor. With ``score`` (same shape) the
     mod is treated as a score_mod.
     """
-    with _IndexWithTensors():
+    with IndexWithTensors():
         if score is None:
-            result = _vmap_over_grid(mod, with_score=False)(b, h, q, kv)
+            result = vmap_over_bhmn(mod, False, 0)(b, h, q, kv)
         else:
-            result = _vmap_over_grid(mod, with_score=True)(score, b, h, q, kv)
+            result = vmap_over_bhmn(mod, True, 0)(score, b, h, q, kv)
     expected = (b.numel(), h.numel(), q.numel(), kv.numel())
     if not isinstance(result, Tensor) or tuple(result.shape) != expected:
         shape = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
