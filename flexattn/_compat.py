@@ -193,3 +193,32 @@ def autotune_select_node(name, choices, input_nodes, layout, input_gen_fns=None)
 
     result = autotune_select_algorithm(name, choices, input_nodes, layout, input_gen_fns=input_gen_fns)
     return result[0] if isinstance(result, tuple) else result
+
+
+class _InterpreterLibdevice:
+    """Stand-in for ``triton_helpers.libdevice`` under the Triton interpreter, which
+    cannot run libdevice's extern functions: the few Inductor emits for common mods are
+    rebuilt from ``tl`` ops the interpreter runs; everything else is the real module."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def tanh(x):
+        import triton.language as tl
+
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+def use_interpreter_libdevice() -> None:
+    """Route Inductor-generated ``libdevice.*`` calls through ``_InterpreterLibdevice``
+    (no-op unless the interpreter is requested; call before kernels are generated)."""
+    if not triton_interpreter_requested():
+        return
+    from torch._inductor.runtime import triton_helpers
+
+    if not isinstance(triton_helpers.libdevice, _InterpreterLibdevice):
+        triton_helpers.libdevice = _InterpreterLibdevice(triton_helpers.libdevice)

@@ -1,0 +1,320 @@
+"""Numerics of the fused forward kernel, driven through torch.compile and Inductor.
+
+Every case runs the HOP three ways from the same fresh random inputs: the dense reference
+in float64 (golden), the dense reference in the test dtype, and the compiled call (our
+Triton template; on CPU through the Triton interpreter). The compiled run passes when
+``err(kernel, golden) <= 2 * err(reference, golden) + floor`` for the output, the
+log-sum-exp and (when requested) the row max, with no NaN (tests/_numerics.py).
+Allocator memory is filled with NaN before each compiled call, so a row the kernel
+forgets to write shows up as NaN.
+
+Shapes depend on the device: small in the interpreter (float16/float32 only: the
+interpreter is wrong for bfloat16), larger on CUDA (plus bfloat16).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+import flexattn.lowering
+from flexattn import _compat
+from flexattn import mods
+from flexattn._hop import dense_flex_attention, flex_attention_hop
+from flexattn.block_mask import and_masks, create_block_mask, noop_mask
+
+from _numerics import assert_close_3way
+from conftest import DEVICE
+
+flexattn.lowering.register()
+_compat.use_interpreter_libdevice()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tensors_use_the_triton_template():
+    """On CPU, Inductor must generate Triton (run by the interpreter), not C++."""
+    if ON_CUDA:
+        yield
+    else:
+        with _compat.inductor_cpu_triton():
+            yield
+
+ON_CUDA = DEVICE == "cuda"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
+SLOW = os.environ.get("FLEXATTN_SLOW") == "1"
+
+DEFAULT_OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, PRESCALE_QK=False,
+                       ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False)
+
+
+def scaled(cpu: int, cuda: int) -> int:
+    return cuda if ON_CUDA else cpu
+
+
+# --------------------------------------------------------------------------------------
+# Harness
+# --------------------------------------------------------------------------------------
+def _poison_allocator(nbytes: int) -> None:
+    """Leave NaN in freed allocator memory so unwritten outputs read as NaN."""
+    junk = torch.full((max(nbytes // 4, 1),), float("nan"), device=DEVICE)
+    del junk
+
+
+def _compiled(score_mod, block_mask_tuple, scale, options):
+    def fn(q, k, v):
+        return flex_attention_hop(q, k, v, score_mod, block_mask_tuple, scale, options, (), ())
+
+    return torch.compile(fn, backend="inductor", fullgraph=True)
+
+
+def _to_golden(x):
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def run_case(
+    *, dtype, B=2, Hq=2, Hkv=None, Bkv=None, L=64, S=64, E=32, Ev=None,
+    score_mod=None, mask_mod=None, block_size=128, options=None, make_inputs=None,
+    block_mask_tuple=None, seed=0,
+):
+    """Build inputs, run golden / reference / compiled, check the 3-way bound."""
+    Hkv = Hkv or Hq
+    Bkv = Bkv or B
+    Ev = Ev or E
+    options = {**DEFAULT_OPTIONS, **(options or {})}
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if make_inputs is not None:
+        q, k, v = make_inputs(gen)
+    else:
+        q = torch.randn(B, Hq, L, E, generator=gen).to(DEVICE, dtype)
+        k = torch.randn(Bkv, Hkv, S, E, generator=gen).to(DEVICE, dtype)
+        v = torch.randn(Bkv, Hkv, S, Ev, generator=gen).to(DEVICE, dtype)
+    L, S = q.shape[2], k.shape[2]
+    score_mod = score_mod or (lambda score, b, h, q_idx, kv_idx: score)
+    if block_mask_tuple is None:
+        bm = create_block_mask(mask_mod or noop_mask, None, None, L, S, device=DEVICE,
+                               BLOCK_SIZE=block_size)
+        block_mask_tuple = bm.as_tuple()
+    scale = q.shape[-1] ** -0.5
+
+    golden = dense_flex_attention(_to_golden(q), _to_golden(k), _to_golden(v), score_mod,
+                                  block_mask_tuple, scale, options, (), ())
+    ref = dense_flex_attention(q, k, v, score_mod, block_mask_tuple, scale, options, (), ())
+    _poison_allocator(4 * (q.numel() + v.numel() // v.shape[2] * L + 2 * q.numel() // q.shape[-1]))
+    out = _compiled(score_mod, block_mask_tuple, scale, options)(q, k, v)
+
+    assert out[0].dtype == dtype and out[0].shape == (q.shape[0], q.shape[1], L, v.shape[-1])
+    assert_close_3way("out", out[0], ref[0], golden[0], dtype)
+    if options["OUTPUT_LOGSUMEXP"]:
+        assert_close_3way("lse", out[1], ref[1], golden[1], dtype)
+    if options["OUTPUT_MAX"]:
+        assert_close_3way("max_scores", out[2], ref[2], golden[2], dtype)
+    return out, golden
+
+
+# --------------------------------------------------------------------------------------
+# The library of mods
+# --------------------------------------------------------------------------------------
+def _doc_ids(n: int) -> torch.Tensor:
+    bounds = torch.tensor([0, n // 5, n // 2, n - n // 7, n])
+    ids = torch.zeros(n, dtype=torch.int32)
+    for i in range(len(bounds) - 1):
+        ids[bounds[i]:bounds[i + 1]] = i
+    return ids.to(DEVICE)
+
+
+MOD_CASES = {
+    "none": lambda n, h: (None, None),
+    "causal": lambda n, h: (None, mods.causal_mask),
+    "sliding_window": lambda n, h: (None, mods.sliding_window(n // 4)),
+    "alibi_causal": lambda n, h: (mods.alibi(h, device=DEVICE), mods.causal_mask),
+    "softcap_causal": lambda n, h: (mods.tanh_softcap(2.0), mods.causal_mask),
+    "document": lambda n, h: (None, mods.document_mask(_doc_ids(n))),
+    "prefix_lm": lambda n, h: (None, mods.prefix_lm(n // 3)),
+    "relative_bias": lambda n, h: (
+        mods.relative_bias(torch.randn(h, 2 * n - 1, generator=torch.Generator().manual_seed(3)).to(DEVICE)),
+        None),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(MOD_CASES))
+def test_mod_library(case, dtype):
+    n = scaled(100, 1000)
+    score_mod, mask_mod = MOD_CASES[case](n, 2)
+    run_case(dtype=dtype, L=n, S=n, score_mod=score_mod, mask_mod=mask_mod, seed=zlib.crc32(case.encode()))
+
+
+# --------------------------------------------------------------------------------------
+# Lengths, head dims, heads, batch
+# --------------------------------------------------------------------------------------
+LENGTHS = [(1, 17), (17, 1), (127, 129), (255, 100)] + (
+    [(1000, 1000), (4097, 129), (129, 4097)] if ON_CUDA else [])
+
+
+@pytest.mark.parametrize("L,S", LENGTHS, ids=lambda x: str(x))
+def test_lengths(L, S):
+    run_case(dtype=torch.float16, L=L, S=S, mask_mod=None)
+
+
+@pytest.mark.parametrize("L,S", [(127, 129), (255, 100)], ids=str)
+def test_lengths_causal_fp32(L, S):
+    run_case(dtype=torch.float32, L=L, S=S, mask_mod=mods.causal_mask)
+
+
+HEAD_DIMS = [(16, 16), (80, 80), (96, 96), (128, 128), (256, 256), (32, 64), (64, 16), (8, 24)] + (
+    [(192, 192), (64, 128)] if ON_CUDA else [])
+
+
+@pytest.mark.parametrize("E,Ev", HEAD_DIMS, ids=str)
+def test_head_dims(E, Ev):
+    n = scaled(33, 513)
+    run_case(dtype=torch.float16, B=1, L=n, S=n, E=E, Ev=Ev, mask_mod=mods.causal_mask)
+
+
+@pytest.mark.parametrize("Hq,Hkv,Bkv", [(4, 2, None), (4, 1, None), (2, 2, 1), (4, 1, 1)],
+                         ids=["gqa", "mqa", "kv_batch_1", "mqa_kv_batch_1"])
+def test_heads_and_kv_batch(Hq, Hkv, Bkv):
+    n = scaled(70, 700)
+    run_case(dtype=torch.float16, Hq=Hq, Hkv=Hkv, Bkv=Bkv, L=n, S=n,
+             score_mod=mods.alibi(Hq, device=DEVICE), mask_mod=mods.causal_mask)
+
+
+def test_non_contiguous_inputs():
+    B, H, L, S, E = 2, 3, scaled(60, 600), scaled(90, 900), 32
+
+    def make(gen):
+        q = torch.randn(B, L, H, E, generator=gen).to(DEVICE, torch.float16).transpose(1, 2)
+        k_big = torch.randn(B, H, S, 2 * E, generator=gen).to(DEVICE, torch.float16)
+        k = k_big[..., ::2]  # last-dim stride 2
+        v = torch.randn(S, B, H, E, generator=gen).to(DEVICE, torch.float16).permute(1, 2, 0, 3)
+        return q, k, v
+
+    run_case(dtype=torch.float16, make_inputs=make, mask_mod=mods.causal_mask)
+
+
+# --------------------------------------------------------------------------------------
+# Masked rows, captured tensors
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_fully_masked_rows(dtype):
+    n = scaled(100, 1000)
+    dead = n // 3
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= dead) & (kv_idx <= q_idx)
+
+    out, golden = run_case(dtype=dtype, L=n, S=n, mask_mod=mask_mod)
+    assert torch.all(out[0][:, :, :dead] == 0)
+    assert torch.all(out[1][:, :, :dead] == float("-inf"))
+    assert torch.all(out[2][:, :, :dead] == float("-inf"))
+
+
+def test_captured_tensors_indexed_by_every_index():
+    B, H, n = 2, 3, scaled(80, 800)
+    g = torch.Generator().manual_seed(7)
+    bias_b, bias_h = torch.randn(B, generator=g).to(DEVICE), torch.randn(H, generator=g).to(DEVICE)
+    bias_q, bias_kv = torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias_b[b] + bias_h[h] + bias_q[q_idx] * bias_kv[kv_idx]
+
+    run_case(dtype=torch.float32, B=B, Hq=H, L=n, S=n, score_mod=score_mod, mask_mod=mods.causal_mask)
+
+
+def test_data_dependent_captures():
+    """A bucket table indexed by a computed bucket, and a per-batch prefix length."""
+    B, H, n = 2, 2, scaled(90, 900)
+    g = torch.Generator().manual_seed(11)
+    buckets = 16
+    table = torch.randn(H, buckets, generator=g).to(DEVICE)
+    prefix = torch.tensor([n // 4, n // 2], dtype=torch.int32).to(DEVICE)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        bucket = ((kv_idx - q_idx).abs() // 8).clamp(max=buckets - 1)
+        return score + table[h, bucket]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix[b]) | (kv_idx <= q_idx)
+
+    bm = create_block_mask(mask_mod, B, None, n, n, device=DEVICE)
+    run_case(dtype=torch.float16, B=B, Hq=H, L=n, S=n, score_mod=score_mod,
+             block_mask_tuple=bm.as_tuple())
+
+
+# --------------------------------------------------------------------------------------
+# kernel_options and block sizes
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [
+    {"PRESCALE_QK": True},
+    {"ROWS_GUARANTEED_SAFE": True},
+    {"BLOCK_M": 32, "BLOCK_N": 32},
+    {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1},
+    {"OUTPUT_MAX": False, "OUTPUT_LOGSUMEXP": False},
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_kernel_options(options):
+    n = scaled(100, 1000)
+    run_case(dtype=torch.float16, L=n, S=n, score_mod=mods.tanh_softcap(5.0),
+             mask_mod=mods.causal_mask, options=options)
+
+
+def test_prescale_without_score_mod():
+    n = scaled(100, 1000)
+    run_case(dtype=torch.float32, L=n, S=n, mask_mod=mods.sliding_window(n // 3),
+             options={"PRESCALE_QK": True})
+
+
+def test_blocks_are_contiguous():
+    n = scaled(200, 2000)
+    run_case(dtype=torch.float16, L=n, S=n, mask_mod=mods.sliding_window(n // 4, causal=False),
+             options={"BLOCKS_ARE_CONTIGUOUS": True}, block_size=64)
+
+
+@pytest.mark.parametrize("block_size", [64, (32, 64), (128, 64)], ids=str)
+def test_block_sizes(block_size):
+    n = scaled(130, 1300)
+    run_case(dtype=torch.float16, L=n, S=n, mask_mod=and_masks(mods.causal_mask, mods.sliding_window(n // 2)),
+             block_size=block_size)
+
+
+def test_no_full_blocks():
+    """A BlockMask tuple without full blocks (HAS_FULL_BLOCKS=False): only the partial
+    blocks are visited, by the kernel and by the reference alike."""
+    n = scaled(100, 1000)
+    t = list(create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE).as_tuple())
+    t[4], t[5] = None, None
+    run_case(dtype=torch.float16, L=n, S=n, block_mask_tuple=tuple(t))
+
+
+# --------------------------------------------------------------------------------------
+# GPU-only: precision modes and 64-bit offsets
+# --------------------------------------------------------------------------------------
+@pytest.mark.skipif(not ON_CUDA, reason="TF32 is a GPU matmul mode")
+def test_float32_tf32_follows_matmul_precision():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        run_case(dtype=torch.float32, L=512, S=512, mask_mod=mods.causal_mask)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.skipif(not (ON_CUDA and SLOW), reason="needs ~10 GB of GPU memory; FLEXATTN_SLOW=1")
+def test_64bit_offsets():
+    """K/V with more than 2**31 elements: the last KV blocks lie past 32-bit offsets."""
+    S, E, L = (1 << 24) + 256, 128, 128
+    q = torch.randn(1, 1, L, E, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(1, 1, S, E, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(1, 1, S, E, device=DEVICE, dtype=torch.float16)
+    tail = 512
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx >= S - tail
+
+    bm = create_block_mask(mask_mod, None, None, L, S, device=DEVICE)
+    out = _compiled(lambda s, b, h, qi, ki: s, bm.as_tuple(), E ** -0.5, DEFAULT_OPTIONS)(q, k, v)
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k[:, :, -tail:].float(), v[:, :, -tail:].float())
+    assert torch.allclose(out[0].float(), expect, atol=2e-3, rtol=2e-3)
