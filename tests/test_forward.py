@@ -34,13 +34,14 @@ _compat.use_interpreter_libdevice()
 
 
 @pytest.fixture(autouse=True)
-def _cpu_tensors_use_the_triton_template():
-    """On CPU, Inductor must generate Triton (run by the interpreter), not C++."""
-    if ON_CUDA:
+def _fresh_compile_with_our_template():
+    """Every compile runs the current lowering (no FX-graph / autotune cache hits from an
+    earlier flexattn), and on CPU Inductor generates Triton (run by the interpreter)."""
+    patches = {"force_disable_caches": True}
+    if not ON_CUDA:
+        patches["cpu_backend"] = "triton"
+    with torch._inductor.config.patch(**patches):
         yield
-    else:
-        with _compat.inductor_cpu_triton():
-            yield
 
 ON_CUDA = DEVICE == "cuda"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])

@@ -1,0 +1,176 @@
+"""The lowering: the compiled graph holds our template kernel, with the right host-side
+specialisations, config choice, kernel_options overrides, logging and device choice."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import flexattn.lowering
+from flexattn import _compat, mods
+from flexattn._hop import dense_flex_attention, flex_attention_hop
+from flexattn.block_mask import create_block_mask, noop_mask
+from flexattn.lowering import configs as cfgs
+
+from _numerics import assert_close_3way
+from conftest import DEVICE
+
+flexattn.lowering.register()
+_compat.use_interpreter_libdevice()
+
+ON_CUDA = DEVICE == "cuda"
+OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False, PRESCALE_QK=False,
+               ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False)
+KERNEL_MARK = "def attend_kv_blocks("  # the template's inner loop, present only in our kernel
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_with_our_template():
+    """Every compile runs the current lowering (no FX-graph / autotune cache hits from an
+    earlier flexattn), and on CPU Inductor generates Triton (run by the interpreter)."""
+    patches = {"force_disable_caches": True}
+    if not ON_CUDA:
+        patches["cpu_backend"] = "triton"
+    with torch._inductor.config.patch(**patches):
+        yield
+
+
+def compile_and_code(L=64, S=64, E=32, Ev=None, Hq=2, Hkv=2, score_mod=None, mask_mod=None,
+                     options=None, block_size=128, dtype=torch.float16, block_mask_tuple=None):
+    Ev = Ev or E
+    q = torch.randn(2, Hq, L, E, device=DEVICE, dtype=dtype)
+    k = torch.randn(2, Hkv, S, E, device=DEVICE, dtype=dtype)
+    v = torch.randn(2, Hkv, S, Ev, device=DEVICE, dtype=dtype)
+    score_mod = score_mod or (lambda s, b, h, qi, ki: s)
+    if block_mask_tuple is None:
+        block_mask_tuple = create_block_mask(mask_mod or noop_mask, None, None, L, S, device=DEVICE,
+                                             BLOCK_SIZE=block_size).as_tuple()
+    opts = {**OPTIONS, **(options or {})}
+
+    def fn(q, k, v):
+        return flex_attention_hop(q, k, v, score_mod, block_mask_tuple, E ** -0.5, opts, (), ())
+
+    out, code = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), q, k, v)
+    ref = dense_flex_attention(q, k, v, score_mod, block_mask_tuple, E ** -0.5, opts, (), ())
+    golden = dense_flex_attention(q.double(), k.double(), v.double(), score_mod, block_mask_tuple,
+                                  E ** -0.5, opts, (), ())
+    assert_close_3way("out", out[0], ref[0], golden[0], dtype)
+    return "\n".join(code)
+
+
+def constexpr(code: str, name: str) -> str:
+    marker = f"{name} : tl.constexpr = "
+    assert marker in code, f"{name} not defined in the kernel"
+    return code.split(marker, 1)[1].split("\n", 1)[0].strip()
+
+
+def test_graph_contains_the_template_kernel():
+    code = compile_and_code(mask_mod=mods.causal_mask)
+    assert KERNEL_MARK in code
+    assert "bmm" not in code and "flexattn_attention" not in code.split("def call", 1)[-1].split("\n")[0]
+
+
+def test_specialisations_from_the_host():
+    code = compile_and_code(L=100, S=128, E=80, Ev=48, Hq=4, Hkv=2, mask_mod=mods.causal_mask,
+                            options={"BLOCK_M": 32, "BLOCK_N": 32})
+    assert constexpr(code, "IS_DIVISIBLE_M") == "False"      # 100 % 32
+    assert constexpr(code, "IS_DIVISIBLE_N") == "True"       # 128 % 128
+    assert constexpr(code, "GQA_GROUP_SIZE") == "2"
+    assert constexpr(code, "QK_HEAD_DIM_PAD") == "128"
+    assert constexpr(code, "PAD_QK_HEAD_DIM") == "True"
+    assert constexpr(code, "V_HEAD_DIM_PAD") == "64"
+    assert constexpr(code, "HAS_SCORE_MOD") == "False"
+    assert constexpr(code, "HAS_FULL_BLOCKS") == "True"
+    assert constexpr(code, "FLOAT32_PRECISION") == "'ieee'"
+
+
+def test_score_mod_and_missing_full_blocks():
+    t = list(create_block_mask(mods.causal_mask, None, None, 64, 64, device=DEVICE).as_tuple())
+    t[4], t[5] = None, None
+    code = compile_and_code(score_mod=mods.tanh_softcap(4.0), block_mask_tuple=tuple(t))
+    assert constexpr(code, "HAS_SCORE_MOD") == "True"
+    assert constexpr(code, "HAS_FULL_BLOCKS") == "False"
+
+
+def test_kernel_options_override_the_config():
+    code = compile_and_code(L=128, S=128, options={"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 2,
+                                                   "num_stages": 1, "PRESCALE_QK": True})
+    assert constexpr(code, "BLOCK_M") == "16"
+    assert constexpr(code, "BLOCK_N") == "32"
+    assert constexpr(code, "PRESCALE_QK") == "True"
+    assert "num_warps=2" in code and "num_stages=1" in code
+
+
+def test_bad_block_override_raises():
+    with pytest.raises(Exception, match="BLOCK_N=48"):
+        compile_and_code(options={"BLOCK_N": 48})
+
+
+def test_tiles_shrink_to_fit_small_sparse_blocks():
+    code = compile_and_code(L=64, S=64, mask_mod=mods.causal_mask, block_size=16)
+    assert constexpr(code, "BLOCK_M") == "16" and constexpr(code, "BLOCK_N") == "16"
+
+
+def test_logger_reports_the_choice(caplog):
+    with caplog.at_level(logging.INFO, logger="flexattn.lowering"):
+        compile_and_code(mask_mod=mods.causal_mask)
+    assert any("flexattn forward" in r.getMessage() and "BLOCK_M=" in r.getMessage() for r in caplog.records)
+
+
+def test_debug_option_logs_at_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="flexattn.lowering"):
+        compile_and_code(options={"DEBUG_CONFIG": True})
+    assert any(r.levelno == logging.WARNING and "BLOCK_N=" in r.getMessage() for r in caplog.records)
+
+
+def test_max_autotune_benchmarks_several_configs(caplog):
+    with torch._inductor.config.patch(max_autotune=True), \
+            caplog.at_level(logging.INFO, logger="flexattn.lowering"):
+        code = compile_and_code(L=32, S=32, E=16, mask_mod=mods.causal_mask)
+    assert KERNEL_MARK in code
+    message = next(r.getMessage() for r in caplog.records if "flexattn forward" in r.getMessage())
+    n_candidates = int(message.split("(of ")[1].split(" ")[0])
+    assert n_candidates > 1
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the C++ CPU path")
+def test_cpu_without_triton_backend_uses_the_dense_path():
+    with torch._inductor.config.patch(cpu_backend="cpp"):
+        code = compile_and_code(L=40, S=56, mask_mod=mods.causal_mask, score_mod=mods.alibi(2),
+                                dtype=torch.float32)
+    assert KERNEL_MARK not in code
+
+
+def test_register_is_idempotent():
+    flexattn.lowering.register()
+    flexattn.lowering.register()
+    from torch._inductor.lowering import lowerings
+
+    assert flex_attention_hop in lowerings
+
+
+# --------------------------------------------------------------------------------------
+# Config tables (pure Python)
+# --------------------------------------------------------------------------------------
+def test_config_table_defaults_and_autotune_list():
+    cpu = torch.device("cpu")
+    assert cfgs.candidate_configs(cpu, 64, torch.float16, False, {}) == [cfgs.default_config(cpu, 64, torch.float16)]
+    assert len(cfgs.candidate_configs(cpu, 64, torch.float16, True, {})) > 4
+    pinned = cfgs.candidate_configs(cpu, 128, torch.float32, True, {"fwd_BLOCK_M": 32, "num_warps": 8})
+    assert all(c.block_m == 32 and c.num_warps == 8 for c in pinned)
+
+
+def test_config_filter():
+    big = cfgs.ForwardConfig(128, 128, 8, 4)
+    usable = cfgs.usable_configs([big, cfgs.ForwardConfig(64, 32, 4, 2)], {}, sparse_q=128, sparse_kv=128,
+                                 qk_dim_pad=256, v_dim_pad=256, elem_bytes=2, smem_limit=227 * 1024)
+    assert big not in usable and usable
+    fitted = cfgs.usable_configs([big], {}, sparse_q=32, sparse_kv=64, qk_dim_pad=64, v_dim_pad=64,
+                                 elem_bytes=2, smem_limit=None)
+    assert fitted == [cfgs.ForwardConfig(32, 64, 8, 4)]
+    with pytest.raises(cfgs.ConfigError):
+        cfgs.usable_configs([big], {"BLOCK_M": 256}, sparse_q=128, sparse_kv=128, qk_dim_pad=64,
+                            v_dim_pad=64, elem_bytes=2, smem_limit=None)
