@@ -19,10 +19,12 @@ def register() -> None:
         return
     from torch._inductor.lowering import register_lowering
 
-    from .._hop import flex_attention_hop
+    from .._hop import flex_attention_backward_hop, flex_attention_hop
+    from .backward import lower_flex_attention_backward
     from .forward import lower_flex_attention
 
     register_lowering(flex_attention_hop, type_promotion_kind=None)(lower_flex_attention)
+    register_lowering(flex_attention_backward_hop, type_promotion_kind=None)(lower_flex_attention_backward)
     _registered = True
 
 

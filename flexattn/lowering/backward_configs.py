@@ -1,0 +1,178 @@
+"""Tile configurations of the backward kernel: tables, overrides, constraints.
+
+A ``BackwardConfig`` is one launch shape of ``templates/backward.py.jinja``. The kernel
+has two kinds of programs, each with its own tiles:
+
+* dK/dV programs own BLOCK_N1 keys and step through the listed query blocks BLOCK_M1
+  rows at a time;
+* dQ programs own BLOCK_M2 query rows and step through the listed KV blocks BLOCK_N2
+  keys at a time.
+
+Which configs are tried for a call: the default for (GPU generation, padded head dim,
+dtype width) from ``DEFAULTS``, plus ``AUTOTUNE_CANDIDATES`` under
+``torch._inductor.config.max_autotune``. ``kernel_options`` may pin any field:
+``bwd_BLOCK_M1``, ``bwd_BLOCK_N1``, ``bwd_BLOCK_M2``, ``bwd_BLOCK_N2``,
+``bwd_num_warps``, ``bwd_num_stages`` (the unprefixed ``BLOCK_M1`` ... ``BLOCK_N2``,
+``num_warps``, ``num_stages`` pin them too; a ``bwd_`` key wins over its unprefixed
+twin). ``usable_configs`` shrinks unpinned tiles to divide the BlockMask's block sizes,
+drops configs over the shared-memory limit, and raises ``ConfigError`` when a pinned
+value breaks a constraint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .configs import MIN_TILE, ConfigError, gpu_generation, head_dim_bucket
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """One launch configuration of the backward template."""
+
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    num_warps: int
+    num_stages: int
+
+    def describe(self) -> str:
+        return (f"BLOCK_M1={self.block_m1} BLOCK_N1={self.block_n1} BLOCK_M2={self.block_m2} "
+                f"BLOCK_N2={self.block_n2} num_warps={self.num_warps} num_stages={self.num_stages}")
+
+
+# Default per (GPU generation, padded QK head dim bucket, dtype width). The dK/dV
+# programs keep K, V and two accumulators resident, so their KV tile is the wide one
+# (BLOCK_N1) and their query step narrow (BLOCK_M1); the dQ programs mirror that.
+# float32 halves the tiles (twice the bytes). "generic" covers the Triton interpreter,
+# where bigger tiles mean fewer interpreted steps.
+DEFAULTS: dict[tuple[str, int, str], BackwardConfig] = {
+    ("sm90", 64, "16bit"): BackwardConfig(64, 128, 128, 64, 8, 3),
+    ("sm90", 128, "16bit"): BackwardConfig(64, 128, 128, 64, 8, 2),
+    ("sm90", 256, "16bit"): BackwardConfig(32, 64, 64, 32, 4, 1),
+    ("sm90", 64, "fp32"): BackwardConfig(32, 64, 64, 32, 4, 2),
+    ("sm90", 128, "fp32"): BackwardConfig(32, 64, 64, 32, 4, 1),
+    ("sm90", 256, "fp32"): BackwardConfig(16, 32, 32, 16, 4, 1),
+    ("sm80", 64, "16bit"): BackwardConfig(64, 128, 128, 64, 8, 2),
+    ("sm80", 128, "16bit"): BackwardConfig(64, 64, 64, 64, 8, 2),
+    ("sm80", 256, "16bit"): BackwardConfig(32, 64, 64, 32, 4, 1),
+    ("sm80", 64, "fp32"): BackwardConfig(32, 64, 64, 32, 4, 1),
+    ("sm80", 128, "fp32"): BackwardConfig(32, 64, 64, 32, 4, 1),
+    ("sm80", 256, "fp32"): BackwardConfig(16, 32, 32, 16, 4, 1),
+    ("generic", 64, "16bit"): BackwardConfig(64, 64, 64, 64, 4, 1),
+    ("generic", 128, "16bit"): BackwardConfig(32, 64, 64, 32, 4, 1),
+    ("generic", 256, "16bit"): BackwardConfig(16, 32, 32, 16, 4, 1),
+    ("generic", 64, "fp32"): BackwardConfig(64, 64, 64, 64, 4, 1),
+    ("generic", 128, "fp32"): BackwardConfig(32, 64, 64, 32, 4, 1),
+    ("generic", 256, "fp32"): BackwardConfig(16, 32, 32, 16, 4, 1),
+}
+
+# Extra candidates benchmarked under max_autotune (after filtering).
+AUTOTUNE_CANDIDATES: tuple[BackwardConfig, ...] = (
+    BackwardConfig(64, 128, 128, 64, 8, 3),
+    BackwardConfig(64, 128, 128, 64, 8, 2),
+    BackwardConfig(64, 128, 128, 64, 4, 3),
+    BackwardConfig(32, 128, 128, 32, 4, 3),
+    BackwardConfig(64, 64, 64, 64, 4, 3),
+    BackwardConfig(32, 64, 64, 32, 4, 3),
+    BackwardConfig(32, 64, 64, 32, 4, 2),
+    BackwardConfig(16, 64, 64, 16, 4, 2),
+)
+
+_FIELDS = ("block_m1", "block_n1", "block_m2", "block_n2", "num_warps", "num_stages")
+_OPTION_NAMES = {"block_m1": "BLOCK_M1", "block_n1": "BLOCK_N1", "block_m2": "BLOCK_M2",
+                 "block_n2": "BLOCK_N2", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> BackwardConfig:
+    width = "fp32" if dtype in (torch.float32, torch.float64) else "16bit"
+    return DEFAULTS[(gpu_generation(device), head_dim_bucket(padded_head_dim), width)]
+
+
+def pinned_fields(kernel_options: dict[str, Any]) -> dict[str, int]:
+    """The config fields kernel_options pin, keyed by BackwardConfig field name."""
+    pinned: dict[str, int] = {}
+    for field in _FIELDS:
+        name = _OPTION_NAMES[field]
+        for spelled in (name, f"bwd_{name}"):  # the bwd_ spelling is read last and wins
+            if kernel_options.get(spelled) is not None:
+                pinned[field] = int(kernel_options[spelled])
+    return pinned
+
+
+def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.dtype,
+                      max_autotune: bool, kernel_options: dict[str, Any]) -> list[BackwardConfig]:
+    """Default (+ autotune candidates), with pinned fields applied, deduplicated."""
+    configs = [default_config(device, padded_head_dim, dtype)]
+    if max_autotune:
+        configs += list(AUTOTUNE_CANDIDATES)
+    pinned = pinned_fields(kernel_options)
+    out: list[BackwardConfig] = []
+    for cfg in configs:
+        cfg = dataclasses.replace(cfg, **pinned)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def shared_memory_estimate(cfg: BackwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int) -> int:
+    """Bytes of the larger program kind: its resident tiles plus num_stages buffered
+    tiles of the loop operand (Q and dO for dK/dV programs, K and V for dQ programs)."""
+    row = qk_dim_pad + v_dim_pad
+    dkv = cfg.block_n1 * row + cfg.num_stages * cfg.block_m1 * row
+    dq = cfg.block_m2 * row + cfg.num_stages * cfg.block_n2 * row
+    return elem_bytes * max(dkv, dq)
+
+
+def fit_to_sparse_blocks(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> BackwardConfig | None:
+    """Halve the tiles of ``cfg`` until each divides its BlockMask block size."""
+    limits = {"block_m1": sparse_q, "block_n1": sparse_kv, "block_m2": sparse_q, "block_n2": sparse_kv}
+    fitted = {}
+    for field, limit in limits.items():
+        value = getattr(cfg, field)
+        while value > MIN_TILE and limit % value:
+            value //= 2
+        if limit % value:
+            return None
+        fitted[field] = value
+    return dataclasses.replace(cfg, **fitted)
+
+
+def usable_configs(candidates: list[BackwardConfig], kernel_options: dict[str, Any], *,
+                   sparse_q: int, sparse_kv: int, qk_dim_pad: int, v_dim_pad: int,
+                   elem_bytes: int, smem_limit: int | None) -> list[BackwardConfig]:
+    """The candidates that satisfy every constraint (see the module docstring)."""
+    pinned = pinned_fields(kernel_options)
+    limits = {"block_m1": ("Q", sparse_q), "block_n1": ("KV", sparse_kv),
+              "block_m2": ("Q", sparse_q), "block_n2": ("KV", sparse_kv)}
+    for field, (which, limit) in limits.items():
+        if field in pinned:
+            value = pinned[field]
+            if value < MIN_TILE or value & (value - 1) or limit % value:
+                raise ConfigError(
+                    f"flexattn: kernel_options bwd_{_OPTION_NAMES[field]}={value} must be a power "
+                    f"of two >= {MIN_TILE} that divides the BlockMask's {which}_BLOCK_SIZE={limit}")
+    for field in ("num_warps", "num_stages"):
+        if field in pinned and pinned[field] < 1:
+            raise ConfigError(f"flexattn: kernel_options bwd_{field}={pinned[field]} must be >= 1")
+    usable: list[BackwardConfig] = []
+    for cfg in candidates:
+        fitted = fit_to_sparse_blocks(cfg, sparse_q, sparse_kv)
+        if fitted is None:
+            continue
+        if smem_limit is not None and shared_memory_estimate(fitted, qk_dim_pad, v_dim_pad, elem_bytes) > smem_limit:
+            continue
+        if fitted not in usable:
+            usable.append(fitted)
+    if not usable:
+        raise ConfigError(
+            f"flexattn: no backward tile configuration fits this call (BlockMask block sizes "
+            f"Q={sparse_q}, KV={sparse_kv}; padded head dims {qk_dim_pad}/{v_dim_pad}; "
+            f"shared memory limit {smem_limit}); candidates were "
+            f"{[c.describe() for c in candidates]}. Block sizes must be multiples of {MIN_TILE}.")
+    return usable
