@@ -32,9 +32,8 @@ DEBUG_CONFIG (log the chosen configuration at WARNING).
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import sympy
 import torch
@@ -43,9 +42,8 @@ from torch._inductor import ir
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.lowering import empty_strided, lowerings, to_dtype
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
-from torch._inductor.subgraph_lowering import PointwiseSubgraphLowering
 from torch._inductor.virtualized import V, ops
-from torch.utils._sympy.functions import FloorDiv, Mod
+from torch.utils._sympy.functions import Mod
 
 from .. import _compat
 from .._hop import BM_MASK_MOD, buffers_with_grad, dense_math
@@ -53,15 +51,8 @@ from ..templates import kernel_source
 from . import backward_configs as bcfgs
 from .configs import shared_memory_limit
 from .dense import _example, _lower_graph, _static, broadcastable_mod, dense_attention
-from .forward import (
-    as_tensor_boxes,
-    broadcast_to,
-    float32_precision,
-    next_power_of_two_at_least_16,
-    realize_fixed,
-    use_triton_template,
-)
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, ModLoweringError, build_mod_buffer, is_identity_score_mod
+from .forward import as_tensor_boxes, broadcast_to, realize_fixed, use_triton_template
+from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -165,5 +156,325 @@ def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsu
     return grads[0], grads[1], grads[2], grad_buffers
 
 
-def lower_to_template(*args, **kwargs):
-    raise NotImplementedError("flexattn: the fused backward template is not written yet")
+
+# --------------------------------------------------------------------------------------
+# Template path: the joint graph as subgraphs
+# --------------------------------------------------------------------------------------
+def graph_returning(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that returns ``node`` alone (placeholders kept, dead code dropped)."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            break
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    graph.output(env[node])
+    graph.eliminate_dead_code()
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _joint_outputs(joint_gm: torch.fx.GraphModule) -> list:
+    output = next(n for n in joint_gm.graph.nodes if n.op == "output")
+    results = output.args[0]
+    return list(results) if isinstance(results, (tuple, list)) else [results]
+
+
+_ZERO_FILLS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
+_INDEX_PUTS = {aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default}
+
+
+@dataclass
+class ScatterTerm:
+    """One ``grad[indices] += value`` of a captured buffer's gradient (0-d buffers have
+    no indices: every (q, kv) pair adds into the single entry)."""
+
+    indices: list[torch.fx.Node]
+    value: torch.fx.Node
+
+
+def _is_zero_fill(node: Any) -> bool:
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    if node.target in _ZERO_FILLS:
+        return True
+    return node.target in (aten.full.default, aten.new_full.default) and node.args[-1] == 0
+
+
+def scatter_terms(node: torch.fx.Node, buffer_rank: int, what: str) -> list[ScatterTerm]:
+    """A buffer gradient of the joint graph as a sum of scatters (see the module doc)."""
+    if node.op == "call_function" and node.target is aten.add.Tensor and len(node.args) == 2 \
+            and all(isinstance(a, torch.fx.Node) for a in node.args):
+        return scatter_terms(node.args[0], buffer_rank, what) + scatter_terms(node.args[1], buffer_rank, what)
+    if node.op == "call_function" and node.target in _INDEX_PUTS:
+        base, indices, values = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if _is_zero_fill(base) and accumulate and len(indices) == buffer_rank \
+                and all(isinstance(i, torch.fx.Node) for i in indices):
+            return [ScatterTerm(list(indices), values)]
+    if buffer_rank == 0:
+        return [ScatterTerm([], node)]
+    raise NotImplementedError(
+        f"flexattn: cannot compute the gradient of {what} inside the backward kernel: its "
+        f"gradient is built by {node.format_node()}. Supported: a tensor indexed with one "
+        f"index per dimension (e.g. table[h, kv_idx - q_idx]), possibly several times, or a "
+        f"0-d tensor used directly. Slices and partial indexing are not supported.")
+
+
+def _scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str):
+    """An IR loader of ``node`` (a 0-d value of the joint graph) for the template."""
+    buffer = build_mod_buffer(graph_returning(gm, node), JOINT_ARGS, dtype, device, captured, what)
+    return buffer.data.inner_fn
+
+
+def build_buffer_grad_scatters(joint_gm, score_mod_buffers, wants, dtype, device):
+    """The Scatter subgraph list (template subgraph 3) and the float32 gradient buffers.
+
+    Returns ``(scatters, grad_buffers)``: ``grad_buffers[i]`` is a zero-filled float32
+    buffer shaped like ``score_mod_buffers[i]`` when it needs a gradient, else None.
+    """
+    results = _joint_outputs(joint_gm)[1:]
+    captured = as_tensor_boxes(score_mod_buffers)
+    scatters: list[ir.ComputedBuffer] = []
+    grad_buffers: list[Any] = []
+    for i, (buf, want, node) in enumerate(zip(score_mod_buffers, wants, results)):
+        if not want:
+            grad_buffers.append(None)
+            continue
+        what = f"captured tensor #{i} of score_mod"
+        sizes = list(buf.get_size())
+        grad = lowerings[aten.full.default](sizes, 0.0, dtype=torch.float32, device=device)
+        grad = realize_fixed(grad)
+        grad_buffers.append(grad)
+        for term in scatter_terms(node, len(sizes), what):
+            value_fn = _scalar_loader(joint_gm, term.value, dtype, device, captured, what)
+            index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
+
+            def output_indexer(_, index_fns=index_fns, sizes=sizes):
+                return [ops.indirect_indexing(fn(()), size, check=False) for fn, size in zip(index_fns, sizes)]
+
+            def value(_, value_fn=value_fn):
+                return ops.to_dtype(value_fn(()), torch.float32)
+
+            scatter = ir.Scatter(device=device, dtype=torch.float32, inner_fn=value, ranges=[],
+                                 output_indexer=output_indexer, scatter_mode="atomic_add")
+            scatters.append(ir.ComputedBuffer(name=grad.get_name(), layout=ir.MutationLayoutSHOULDREMOVE(grad),
+                                              data=scatter))
+    return scatters, grad_buffers
+
+
+# --------------------------------------------------------------------------------------
+# Template path: the kernel
+# --------------------------------------------------------------------------------------
+@SymbolicGridFn
+def backward_grid(batch, kv_heads, q_len, kv_len, meta, *, cdiv):
+    """Launch grid of the backward kernel, from ``call_sizes`` = (B, Hkv, Q_LEN, KV_LEN).
+
+    program_id(0) below cdiv(kv_len, BLOCK_N1) is a dK/dV program for that key tile; the
+    rest are dQ programs, GQA_GROUP_SIZE * cdiv(q_len, BLOCK_M2) of them (query head of
+    the group, query tile). program_id(1) is the batch index, program_id(2) the KV head.
+    """
+    return (cdiv(kv_len, meta["BLOCK_N1"]) + meta["GQA_GROUP_SIZE"] * cdiv(q_len, meta["BLOCK_M2"]),
+            batch, kv_heads)
+
+
+backward_template = TritonTemplate(
+    name=TEMPLATE_NAME,
+    grid=backward_grid,
+    source=kernel_source("backward"),
+)
+
+
+def deterministic_requested(kernel_options: dict[str, Any]) -> bool:
+    return bool(kernel_options.get("DETERMINISTIC")) or torch.are_deterministic_algorithms_enabled()
+
+
+def compute_delta(out, grad_out, grad_logsumexp):
+    """rowsum(dO * O) in float32, minus the lse gradient when there is one (one fused
+    reduction; see the module docstring for why the lse gradient folds in here)."""
+    prod = lowerings[aten.mul.Tensor](to_dtype(out, torch.float32), to_dtype(grad_out, torch.float32))
+    delta = lowerings[aten.sum.dim_IntList](prod, [-1])
+    if grad_logsumexp is not None:
+        delta = lowerings[aten.sub.Tensor](delta, to_dtype(grad_logsumexp, torch.float32))
+    return realize_fixed(delta)
+
+
+def _dense_like(sizes, device, dtype):
+    return realize_fixed(empty_strided(sizes, None, dtype=dtype, device=device))
+
+
+def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
+                      joint_graph, block_mask, scale, kernel_options, score_mod_buffers,
+                      mask_mod_buffers):
+    from .forward import forward_specialisations
+
+    kernel_options = dict(kernel_options or {})
+    sizevars = V.graph.sizevars
+    (_, _, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+     q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+     sparse_q, sparse_kv, mask_graph) = block_mask
+    sparse_q = sizevars.guard_int(sparse_q)
+    sparse_kv = sizevars.guard_int(sparse_kv)
+    device = query.get_device()
+    dtype = query.get_dtype()
+    if key.get_dtype() != dtype or value.get_dtype() != dtype:
+        raise ValueError("flexattn: the backward needs query, key and value of one dtype, got "
+                         f"{dtype}, {key.get_dtype()}, {value.get_dtype()}")
+
+    B, Hq, L, E = query.get_size()
+    Bkv, Hkv, S, _ = key.get_size()
+    Ev = value.get_size()[3]
+    for name, length in (("query", L), ("key", S)):
+        if sizevars.statically_known_true(sympy.Eq(length, 0)):
+            raise ValueError(f"flexattn: the {name} length must be positive")
+
+    joint_gm = joint_graph.graph_module
+    wants = buffers_with_grad(joint_gm, len(score_mod_buffers))
+    if any(wants) and deterministic_requested(kernel_options):
+        raise DeterministicBufferGradError(
+            "flexattn: deterministic mode (kernel_options DETERMINISTIC or "
+            "torch.use_deterministic_algorithms) cannot give gradients to captured tensors: "
+            "the backward kernel accumulates them with float32 atomic adds, whose order varies "
+            "between runs. Detach the captured tensors (or turn deterministic mode off); the "
+            "gradients of query, key and value are deterministic either way.")
+
+    query = realize_fixed(query)
+    key = broadcast_to(key, [B, Hkv, S, E])
+    value = broadcast_to(value, [B, Hkv, S, Ev])
+    logsumexp = realize_fixed(logsumexp)
+    grad_out = realize_fixed(grad_out)
+    delta = compute_delta(out, grad_out, grad_logsumexp)
+
+    def per_query_head(node):
+        if node is None:
+            return None
+        return broadcast_to(node, [B, Hq, *node.get_size()[2:]])
+
+    kv_num_blocks, kv_indices = per_query_head(kv_num_blocks), per_query_head(kv_indices)
+    q_num_blocks, q_indices = per_query_head(q_num_blocks), per_query_head(q_indices)
+    has_full_blocks = full_kv_num_blocks is not None
+    if has_full_blocks:
+        full_kv_num_blocks, full_kv_indices = per_query_head(full_kv_num_blocks), per_query_head(full_kv_indices)
+        full_q_num_blocks, full_q_indices = per_query_head(full_q_num_blocks), per_query_head(full_q_indices)
+    else:
+        # The kernel never reads these (HAS_FULL_BLOCKS=False); they fill the signature.
+        full_kv_num_blocks, full_kv_indices, full_q_num_blocks, full_q_indices = (
+            realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device)) for _ in range(4))
+
+    score_mod_buffers = [realize_fixed(b) for b in score_mod_buffers]
+    mask_mod_buffers = [realize_fixed(b) for b in mask_mod_buffers]
+    captured = as_tensor_boxes(score_mod_buffers)
+    has_score_mod = not is_identity_score_mod(fw_graph.graph_module)
+    score_buffer = build_mod_buffer(fw_graph.graph_module, SCORE_MOD_ARGS, dtype, device, captured, "score_mod")
+    mask_buffer = build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
+                                   as_tensor_boxes(mask_mod_buffers), "mask_mod")
+    grad_score_node = _joint_outputs(joint_gm)[0]
+    grad_score_buffer = build_mod_buffer(graph_returning(joint_gm, grad_score_node), JOINT_ARGS, dtype,
+                                         device, captured, "score_mod's gradient (joint graph)")
+    scatters, grad_buffers = build_buffer_grad_scatters(joint_gm, score_mod_buffers, wants, dtype, device)
+    subgraphs: list[Any] = [score_buffer, mask_buffer, grad_score_buffer]
+    if scatters:
+        subgraphs.append(scatters)
+
+    spec = forward_specialisations(
+        query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, has_full_blocks=has_full_blocks,
+        has_score_mod=has_score_mod)
+    known = sizevars.statically_known_true
+    spec.update(
+        HAS_BUFFER_GRADS=bool(scatters),
+        IS_DIVISIBLE_M=known(sympy.Eq(Mod(L, sparse_q), 0)),
+        IS_DIVISIBLE_N=known(sympy.Eq(Mod(S, sparse_kv), 0)),
+    )
+
+    dk_layout = ir.FixedLayout(device, dtype, [B, Hkv, S, E], ir.FlexibleLayout.contiguous_strides([B, Hkv, S, E]))
+    grad_query = _dense_like([B, Hq, L, E], device, dtype)
+    grad_value = _dense_like([B, Hkv, S, Ev], device, dtype)
+
+    candidates = bcfgs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
+                                         bool(inductor_config.max_autotune), kernel_options)
+    usable = bcfgs.usable_configs(
+        candidates, kernel_options, sparse_q=sparse_q, sparse_kv=sparse_kv,
+        qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"],
+        elem_bytes=torch.empty((), dtype=dtype).element_size(), smem_limit=shared_memory_limit(device))
+
+    input_nodes = [query, key, value, logsumexp, delta, grad_out, grad_query, grad_value,
+                   kv_num_blocks, kv_indices, q_num_blocks, q_indices,
+                   full_kv_num_blocks, full_kv_indices, full_q_num_blocks, full_q_indices]
+    mutated_grads = [g for g in grad_buffers if g is not None]
+    choices: list[Any] = []
+    config_of_choice: dict[int, bcfgs.BackwardConfig] = {}
+    errors: list[str] = []
+    for cfg in usable:
+        constexprs = {**spec, "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1,
+                      "BLOCK_M2": cfg.block_m2, "BLOCK_N2": cfg.block_n2}
+        error = backward_template.maybe_append_choice(
+            choices,
+            input_nodes=input_nodes,
+            layout=dk_layout,
+            subgraphs=subgraphs,
+            mutated_inputs=[grad_query, grad_value, *mutated_grads],
+            call_sizes=[B, Hkv, L, S],
+            num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps,
+            **constexprs,
+        )
+        if error is not None:
+            errors.append(f"{cfg.describe()}: {error}")
+        else:
+            config_of_choice[id(choices[-1].make_kernel_render)] = cfg
+    if not choices:
+        raise RuntimeError("flexattn: the backward template could not be generated for any "
+                           "configuration:\n" + "\n".join(errors))
+
+    extra = [b for b in (*score_mod_buffers, *mask_mod_buffers) if isinstance(b, ir.IRNode)]
+    input_gen_fns = _benchmark_inputs(has_full_blocks, kv_indices, q_indices, full_kv_indices, full_q_indices)
+    grad_key = _compat.autotune_select_node(
+        TEMPLATE_NAME, choices, input_nodes + extra + mutated_grads, dk_layout, input_gen_fns=input_gen_fns)
+    _report_choice(grad_key, config_of_choice, usable, spec, query, key, value, kernel_options)
+
+    grad_key, grad_value = ir.TensorBox(grad_key) if not isinstance(grad_key, ir.TensorBox) else grad_key, \
+        ir.TensorBox(grad_value)
+    if not sizevars.statically_known_true(sympy.Eq(Bkv, B)):
+        grad_key = lowerings[aten.sum.dim_IntList](grad_key, [0], True)
+        grad_value = lowerings[aten.sum.dim_IntList](grad_value, [0], True)
+    buffer_grads = tuple(
+        None if g is None else (
+            ir.TensorBox(g) if buf.get_dtype() == torch.float32 else to_dtype(ir.TensorBox(g), buf.get_dtype()))
+        for g, buf in zip(grad_buffers, score_mod_buffers))
+    return ir.TensorBox(grad_query), grad_key, grad_value, buffer_grads
+
+
+def _benchmark_inputs(has_full_blocks, kv_indices, q_indices, full_kv_indices, full_q_indices):
+    """Autotuning stand-ins for the block tables (positions in ``input_nodes``): every
+    row visits all blocks (half partial, half full when there are full blocks)."""
+    from .forward import _benchmark_block_counts, _benchmark_block_indices, _benchmark_full_block_indices
+
+    if has_full_blocks:
+        return {8: _benchmark_block_counts(kv_indices, 0.5), 9: _benchmark_block_indices,
+                10: _benchmark_block_counts(q_indices, 0.5), 11: _benchmark_block_indices,
+                12: _benchmark_block_counts(full_kv_indices, 0.5), 13: _benchmark_full_block_indices,
+                14: _benchmark_block_counts(full_q_indices, 0.5), 15: _benchmark_full_block_indices}
+    return {8: _benchmark_block_counts(kv_indices, 1.0), 9: _benchmark_block_indices,
+            10: _benchmark_block_counts(q_indices, 1.0), 11: _benchmark_block_indices}
+
+
+def _report_choice(node, config_of_choice, usable, spec, query, key, value, kernel_options) -> None:
+    from .forward import _debug_requested
+
+    buffer = node.data.data if isinstance(node, ir.TensorBox) else node
+    render = getattr(buffer, "make_kernel_render", None)
+    chosen = config_of_choice.get(id(render))
+    level = logging.WARNING if _debug_requested(kernel_options) else logging.INFO
+    if not log.isEnabledFor(level):
+        return
+    what = chosen.describe() if chosen is not None else (
+        f"decided later by Inductor among {[c.describe() for c in usable]}")
+    log.log(level,
+            "flexattn backward: q %s k %s v %s %s -> %s (of %d candidate(s)); specialisations %s",
+            list(query.get_size()), list(key.get_size()), list(value.get_size()), query.get_dtype(),
+            what, len(usable),
+            {k: spec[k] for k in ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
+                                  "HAS_SCORE_MOD", "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N")})
+
+
+__all__ = ["backward_grid", "backward_template", "lower_flex_attention_backward"]
