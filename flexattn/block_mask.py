@@ -368,8 +368,8 @@ def _as_words(allowed: Tensor, kv_block: int) -> Tensor | None:
         return None
     if allowed.shape[-1] % _BYTES_PER_WORD or allowed.storage_offset() % _BYTES_PER_WORD:
         return None
-    if any(stride % _BYTES_PER_WORD for size, stride in zip(allowed.shape[:-1], allowed.stride()[:-1]) if size > 1):
-        return None
+    if any(stride % _BYTES_PER_WORD for stride in allowed.stride()[:-1]):
+        return None  # Tensor.view checks every stride, those of size-1 dims too
     return allowed.view(torch.uint8).view(torch.int64)
 
 

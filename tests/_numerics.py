@@ -28,7 +28,8 @@ def max_abs_err(x: torch.Tensor, golden: torch.Tensor) -> float:
     return float(diff.max()) if diff.numel() else 0.0
 
 
-def assert_close_3way(name: str, test: torch.Tensor, ref: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype, ratio: float = RATIO) -> tuple[float, float]:
+def assert_close_3way(name: str, test: torch.Tensor, ref: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype, ratio: float | None = None) -> tuple[float, float]:
+    ratio = RATIO if ratio is None else ratio
     assert not torch.isnan(test).any(), f"{name}: NaN in the result under test"
     assert test.shape == golden.shape, f"{name}: shape {tuple(test.shape)} != {tuple(golden.shape)}"
     err_test = max_abs_err(test, golden)

@@ -115,6 +115,18 @@ def run_case(
     return out, golden
 
 
+def run_case_with_ratio(ratio: float, **kwargs):
+    """run_case with a different bound factor (see the callers for why)."""
+    import _numerics
+
+    old = _numerics.RATIO
+    _numerics.RATIO = ratio
+    try:
+        return run_case(**kwargs)
+    finally:
+        _numerics.RATIO = old
+
+
 # --------------------------------------------------------------------------------------
 # The library of mods
 # --------------------------------------------------------------------------------------
@@ -268,8 +280,11 @@ def test_prescale_without_score_mod():
 
 
 def test_blocks_are_contiguous():
+    """A causal mask keeps the promise: per query block, the partial list is the diagonal
+    block and the full list the blocks before it, each a run of consecutive blocks (a
+    non-causal sliding window would not: its two edges are partial)."""
     n = scaled(200, 2000)
-    run_case(dtype=torch.float16, L=n, S=n, mask_mod=mods.sliding_window(n // 4, causal=False),
+    run_case(dtype=torch.float16, L=n, S=n, mask_mod=mods.causal_mask,
              options={"BLOCKS_ARE_CONTIGUOUS": True}, block_size=64)
 
 
@@ -297,7 +312,10 @@ def test_float32_tf32_follows_matmul_precision():
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        run_case(dtype=torch.float32, L=512, S=512, mask_mod=mods.causal_mask)
+        # Both runs use TF32 products (torch's matmul follows allow_tf32 too), but Triton
+        # truncates fp32 operands to TF32 where cuBLAS rounds them, which roughly doubles
+        # the error of each product: the bound here is 5x the reference's, not 2x.
+        run_case_with_ratio(5.0, dtype=torch.float32, L=512, S=512, mask_mod=mods.causal_mask)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 
