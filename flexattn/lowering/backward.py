@@ -382,6 +382,7 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     known = sizevars.statically_known_true
     spec.update(
         HAS_BUFFER_GRADS=bool(scatters),
+        FLOAT64_ACC=dtype == torch.float64,
         IS_DIVISIBLE_M=known(sympy.Eq(Mod(L, sparse_q), 0)),
         IS_DIVISIBLE_N=known(sympy.Eq(Mod(S, sparse_kv), 0)),
     )
