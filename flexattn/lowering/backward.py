@@ -169,7 +169,11 @@ def graph_returning(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.G
             break
         env[n] = graph.node_copy(n, lambda x: env[x])
     graph.output(env[node])
-    graph.eliminate_dead_code()
+    # Dead-code elimination that also drops the in-place scatters of buffer gradients
+    # (fx's own keeps every mutating node).
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and not n.users:
+            graph.erase_node(n)
     return torch.fx.GraphModule(gm, graph)
 
 
@@ -200,17 +204,31 @@ def _is_zero_fill(node: Any) -> bool:
     return node.target in (aten.full.default, aten.new_full.default) and node.args[-1] == 0
 
 
+def _index_put_term(node: torch.fx.Node, buffer_rank: int) -> ScatterTerm | None:
+    """``base[indices] += values`` as a ScatterTerm (None unless it accumulates with one
+    tensor index per dimension)."""
+    _, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if accumulate and len(indices) == buffer_rank and all(isinstance(i, torch.fx.Node) for i in indices):
+        return ScatterTerm(list(indices), values)
+    return None
+
+
 def scatter_terms(node: torch.fx.Node, buffer_rank: int, what: str) -> list[ScatterTerm]:
     """A buffer gradient of the joint graph as a sum of scatters (see the module doc)."""
     if node.op == "call_function" and node.target is aten.add.Tensor and len(node.args) == 2 \
             and all(isinstance(a, torch.fx.Node) for a in node.args):
         return scatter_terms(node.args[0], buffer_rank, what) + scatter_terms(node.args[1], buffer_rank, what)
     if node.op == "call_function" and node.target in _INDEX_PUTS:
-        base, indices, values = node.args[:3]
-        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-        if _is_zero_fill(base) and accumulate and len(indices) == buffer_rank \
-                and all(isinstance(i, torch.fx.Node) for i in indices):
-            return [ScatterTerm(list(indices), values)]
+        term = _index_put_term(node, buffer_rank)
+        if term is not None and _is_zero_fill(node.args[0]):
+            return [term]
+    if _is_zero_fill(node):
+        # Functionalized graphs scatter in place into the zero fill they return.
+        writers = [u for u in node.users if u.target is aten.index_put_.default and u.args[0] is node]
+        terms = [_index_put_term(u, buffer_rank) for u in writers]
+        if all(t is not None for t in terms):
+            return terms
     if buffer_rank == 0:
         return [ScatterTerm([], node)]
     raise NotImplementedError(
