@@ -93,9 +93,13 @@ def _make_variable_class():
 
             proxied = [
                 bound["query"], bound["key"], bound["value"],
-                support.TupleVariable(items[:BM_MASK_MOD]), bound["scale"], bound["kernel_options"],
+                support.TupleVariable(items[:BM_MASK_MOD]),
             ]
-            (q, k, v, bm, scale, kernel_options), _ = support.proxy_args_kwargs(proxied, {})
+            (q, k, v, bm), _ = support.proxy_args_kwargs(proxied, {})
+            # The scale is folded into the kernel as a constant (1/sqrt(E) follows the
+            # head dim, which the kernel specialises on anyway).
+            scale = float(_as_python_value(bound["scale"]))
+            kernel_options = _constant_kernel_options(bound["kernel_options"])
             proxy = tx.output.create_proxy(
                 "call_function",
                 self.value,
@@ -106,6 +110,25 @@ def _make_variable_class():
             return support.wrap_fx_proxy(tx=tx, proxy=proxy, example_value=None)
 
     return FlexAttnHOPVariable
+
+
+def _as_python_value(var):
+    """A traced Python scalar as a constant; a symbolic one is specialised (guarded)."""
+    if hasattr(var, "evaluate_expr"):
+        return var.evaluate_expr()
+    return var.as_python_constant()
+
+
+def _constant_kernel_options(var) -> dict:
+    """kernel_options as a plain dict of constants.
+
+    They select and parametrise kernels, so the graph must hold their values: an int
+    that Dynamo made symbolic (an option passed in from outside the compiled function
+    and changed between calls) is specialised here, which guards on it.
+    """
+    if hasattr(var, "items") and isinstance(var.items, dict):
+        return {_as_python_value(key.vt): _as_python_value(value) for key, value in var.items.items()}
+    return var.as_python_constant()
 
 
 def _check_mod_output(name: str, body_out) -> None:
