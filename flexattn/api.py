@@ -16,8 +16,10 @@ implementation is the CPU path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import math
+import pathlib
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -49,6 +51,26 @@ TILE_KERNEL_OPTIONS = frozenset({
     "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG",
 })
 KNOWN_KERNEL_OPTIONS = frozenset(DEFAULT_KERNEL_OPTIONS) | TILE_KERNEL_OPTIONS
+
+
+def _code_version() -> str:
+    """A digest of the sources that decide what flexattn compiles to.
+
+    Inductor's FX-graph cache keys a compiled graph by the graph and torch's own code,
+    not by a plugin's lowerings and templates. The digest travels in every call's
+    kernel_options (part of the graph), so a changed flexattn never reuses a graph
+    compiled by an older one.
+    """
+    root = pathlib.Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("lowering/*.py"), *root.glob("templates/*.jinja")]):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+CODE_VERSION_KEY = "FLEXATTN_CODE_VERSION"
+CODE_VERSION = _code_version()
 
 
 @dataclass(frozen=True)
@@ -290,6 +312,7 @@ def flex_attention(
     if "OUTPUT_LOGSUMEXP" not in (kernel_options or {}):
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse or needs_grad)
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
+    options[CODE_VERSION_KEY] = CODE_VERSION
 
     args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)
     if torch.compiler.is_compiling():
