@@ -9,6 +9,8 @@ is not Triton).
 
 from __future__ import annotations
 
+import warnings
+
 _registered = False
 
 
@@ -25,6 +27,10 @@ def register() -> None:
 
     register_lowering(flex_attention_hop, type_promotion_kind=None)(lower_flex_attention)
     register_lowering(flex_attention_backward_hop, type_promotion_kind=None)(lower_flex_attention_backward)
+    # Inductor's FX utilities warn that they cannot propagate metadata through HOP
+    # subgraph arguments; flexattn's fake implementations give the outputs' metadata.
+    for op in (flex_attention_hop, flex_attention_backward_hop):
+        warnings.filterwarnings("ignore", message=f"Please add support for subgraph args to function {op.__name__}!")
     _registered = True
 
 
