@@ -19,6 +19,7 @@ from flexattn import _compat  # noqa: E402
 
 if DEVICE == "cpu":
     _compat.enable_triton_interpreter()
+    _compat.use_interpreter_libdevice()
 
 
 def pytest_report_header(config):
@@ -42,3 +43,17 @@ def device():
 def _fresh_dynamo():
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture
+def inductor_runs_flexattn_kernels():
+    """Inductor compiles flexattn's Triton templates afresh: no FX-graph or autotune cache
+    hits, and on CPU Triton (run by the interpreter) instead of C++.
+
+    Use it with ``pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")``.
+    """
+    patches = {"force_disable_caches": True}
+    if DEVICE == "cpu":
+        patches["cpu_backend"] = "triton"
+    with torch._inductor.config.patch(**patches):
+        yield

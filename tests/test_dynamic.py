@@ -11,19 +11,12 @@ import pytest
 import torch
 
 import flexattn
-from flexattn import _compat, mods
+from flexattn import mods
 
 from conftest import DEVICE
 
 
-@pytest.fixture(autouse=True)
-def _inductor_runs_our_template():
-    patches = {"force_disable_caches": True}
-    if DEVICE == "cpu":
-        patches["cpu_backend"] = "triton"
-        _compat.use_interpreter_libdevice()
-    with torch._inductor.config.patch(**patches):
-        yield
+pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
 
 def _check(compiled, q, k, v, bm, **kwargs):

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import flexattn.lowering
-from flexattn import _compat
 from flexattn import mods
 from flexattn._hop import dense_flex_attention, flex_attention_hop
 from flexattn.block_mask import and_masks, create_block_mask, noop_mask
@@ -30,18 +29,9 @@ from _numerics import assert_close_3way
 from conftest import DEVICE
 
 flexattn.lowering.register()
-_compat.use_interpreter_libdevice()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compile_with_our_template():
-    """Every compile runs the current lowering (no FX-graph / autotune cache hits from an
-    earlier flexattn), and on CPU Inductor generates Triton (run by the interpreter)."""
-    patches = {"force_disable_caches": True}
-    if not ON_CUDA:
-        patches["cpu_backend"] = "triton"
-    with torch._inductor.config.patch(**patches):
-        yield
+pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
 ON_CUDA = DEVICE == "cuda"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])

@@ -10,7 +10,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import flexattn.lowering
-from flexattn import _compat, mods
+from flexattn import mods
 from flexattn._hop import dense_flex_attention, flex_attention_hop
 from flexattn.block_mask import create_block_mask, noop_mask
 from flexattn.lowering import configs as cfgs
@@ -19,7 +19,6 @@ from _numerics import assert_close_3way
 from conftest import DEVICE
 
 flexattn.lowering.register()
-_compat.use_interpreter_libdevice()
 
 ON_CUDA = DEVICE == "cuda"
 OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False, PRESCALE_QK=False,
@@ -27,15 +26,7 @@ OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False, PRESCALE_QK=False,
 KERNEL_MARK = "def attend_kv_blocks("  # the template's inner loop, present only in our kernel
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compile_with_our_template():
-    """Every compile runs the current lowering (no FX-graph / autotune cache hits from an
-    earlier flexattn), and on CPU Inductor generates Triton (run by the interpreter)."""
-    patches = {"force_disable_caches": True}
-    if not ON_CUDA:
-        patches["cpu_backend"] = "triton"
-    with torch._inductor.config.patch(**patches):
-        yield
+pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
 
 def compile_and_code(L=64, S=64, E=32, Ev=None, Hq=2, Hkv=2, score_mod=None, mask_mod=None,
