@@ -3,8 +3,9 @@
 ``lower_flex_attention`` is the function registered for the HOP. Per call it
 
 1. picks the backend from the device (``use_triton_template``): CUDA tensors, and CPU
-   tensors when ``torch._inductor.config.cpu_backend == "triton"``, go to the template;
-   other CPU calls go to the dense path in ``dense.py``;
+   tensors when ``torch._inductor.config.cpu_backend == "triton"``, go to the template
+   (short queries to the split-KV decode kernel of ``decode.py`` instead:
+   ``use_decode_kernel``); other CPU calls go to the dense path in ``dense.py``;
 2. lowers score_mod and mask_mod to the IR the template inlines (``subgraph.py``);
 3. derives the kernel's specialisations on the host (``forward_specialisations``);
 4. builds one template choice per usable tile configuration (``configs.py``) and hands
@@ -84,6 +85,12 @@ def lower_flex_attention(
     """The lowering registered for ``flexattn._hop.flex_attention_hop``."""
     device = query.get_device()
     if use_triton_template(device):
+        # Short queries (decoding) go to the split-KV decode kernel: lowering/decode.py.
+        from .decode import lower_to_decode_template, use_decode_kernel
+
+        if use_decode_kernel(query, key, kernel_options or {}):
+            return lower_to_decode_template(query, key, value, score_mod, block_mask, scale, kernel_options,
+                                            score_mod_buffers, mask_mod_buffers)
         return lower_to_template(query, key, value, score_mod, block_mask, scale, kernel_options,
                                  score_mod_buffers, mask_mod_buffers)
     if device.type == "cpu":

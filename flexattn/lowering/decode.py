@@ -1,0 +1,473 @@
+"""Inductor lowering of ``flex_attention_hop`` onto the split-KV decode kernel.
+
+For short queries (decoding: a few new tokens against a long KV cache) the forward
+lowering hands the call here (``use_decode_kernel``). Two Triton templates run:
+
+1. ``templates/decode.py.jinja``: the query heads of one GQA group are packed into one
+   tile of rows, and the KV steps the BlockMask lists for the tile are shared among
+   ``SPLIT_KV`` programs; each writes an unnormalised partial result (acc, running max,
+   running sum) in float32;
+2. ``templates/decode_merge.py.jinja``: one program per few query rows rescales the
+   partial results to a common max, normalises, and writes out, lse and max.
+
+Choices made here on the host, from static shapes (size hints when symbolic: a choice
+only affects speed, every choice is correct for every size):
+
+* the kernel: decode when ``L <= DECODE_MAX_Q_LEN`` and ``S >= DECODE_MIN_KV_LEN``;
+  ``kernel_options["FORCE_DECODE"]`` True / False forces it either way, and torch's
+  ``FORCE_USE_FLEX_ATTENTION=True`` means the main kernel;
+* the packing (``packing``): HEADS_PER_TILE query heads x BLOCK_Q query positions per
+  tile, at most ``MAX_TILE_ROWS`` rows. Heads are packed only when the BlockMask is the
+  same for every head (its head dimension is 1): a tile walks one BlockMask row;
+* the number of splits (``split_count``): enough programs for ``PROGRAMS_PER_SM`` per
+  multiprocessor, at most one per ``MIN_STEPS_PER_SPLIT`` KV steps of a dense row, at
+  most ``MAX_SPLIT_KV``; ``kernel_options["SPLIT_KV"]`` pins it;
+* the KV step (``DecodeConfig``): BLOCK_N, warps and stages from ``DEFAULTS`` (plus
+  ``AUTOTUNE_CANDIDATES`` under max_autotune); ``kernel_options`` ``BLOCK_N``,
+  ``num_warps``, ``num_stages`` (or ``decode_``-less forms shared with the forward
+  kernel) pin them. BLOCK_M / fwd_* keys tile the main kernel and are not read here.
+
+The chosen configuration is logged on the ``flexattn.lowering`` logger like the
+forward's (at INFO; WARNING with DEBUG_CONFIG).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor import ir
+from torch._inductor.lowering import empty_strided
+from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
+from torch._inductor.virtualized import V
+
+from .. import _compat
+from ..templates import kernel_source, read_template
+from . import configs as cfgs
+from .forward import (
+    _benchmark_block_counts,
+    _benchmark_block_indices,
+    _benchmark_full_block_indices,
+    _debug_requested,
+    as_tensor_boxes,
+    broadcast_to,
+    forward_specialisations,
+    output_layout,
+    realize_fixed,
+)
+from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod
+
+log = logging.getLogger("flexattn.lowering")
+
+DECODE_TEMPLATE_NAME = "flexattn_decode"
+MERGE_TEMPLATE_NAME = "flexattn_decode_merge"
+
+#: Automatic choice: the decode kernel for queries at most this long ...
+DECODE_MAX_Q_LEN = 64
+#: ... against at least this many keys (below it both kernels are a few tiles of work).
+DECODE_MIN_KV_LEN = 256
+#: Rows of a packed tile (HEADS_PER_TILE * BLOCK_Q): bounds the accumulator's registers.
+MAX_TILE_ROWS = 64
+#: Programs wanted per multiprocessor: decode is memory-bound and needs loads in flight.
+PROGRAMS_PER_SM = 4
+#: A share of a row's KV steps is at least this many BLOCK_N steps (when the row has them).
+MIN_STEPS_PER_SPLIT = 2
+#: Upper bound of SPLIT_KV (the partial results grow with it).
+MAX_SPLIT_KV = 256
+#: Multiprocessors assumed where the device has none to ask (CPU tensors in the Triton
+#: interpreter): a small number, so that interpreted calls still use several splits.
+VIRTUAL_SMS = 2
+#: Rows merged per program in the second pass (at most; fewer for shorter queries).
+MERGE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One launch configuration of the decode template (the row tile is fixed per call)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def describe(self) -> str:
+        return f"BLOCK_N={self.block_n} num_warps={self.num_warps} num_stages={self.num_stages}"
+
+
+# Default per (GPU generation, padded QK head dim, dtype width), as in configs.DEFAULTS.
+# A decode tile has few rows, so a program is bound by its K/V loads: 64-column steps
+# with a 3-4 deep pipeline keep enough bytes in flight on Ampere/Hopper; float32 and
+# D=256 halve the step to stay within shared memory.
+DEFAULTS: dict[tuple[str, int, str], DecodeConfig] = {
+    ("sm90", 64, "16bit"): DecodeConfig(64, 4, 4),
+    ("sm90", 128, "16bit"): DecodeConfig(64, 4, 3),
+    ("sm90", 256, "16bit"): DecodeConfig(32, 4, 3),
+    ("sm90", 64, "fp32"): DecodeConfig(64, 4, 3),
+    ("sm90", 128, "fp32"): DecodeConfig(32, 4, 3),
+    ("sm90", 256, "fp32"): DecodeConfig(16, 4, 3),
+    ("sm80", 64, "16bit"): DecodeConfig(64, 4, 3),
+    ("sm80", 128, "16bit"): DecodeConfig(64, 4, 3),
+    ("sm80", 256, "16bit"): DecodeConfig(32, 4, 2),
+    ("sm80", 64, "fp32"): DecodeConfig(32, 4, 3),
+    ("sm80", 128, "fp32"): DecodeConfig(32, 4, 2),
+    ("sm80", 256, "fp32"): DecodeConfig(16, 4, 2),
+    ("generic", 64, "16bit"): DecodeConfig(64, 4, 2),
+    ("generic", 128, "16bit"): DecodeConfig(64, 4, 2),
+    ("generic", 256, "16bit"): DecodeConfig(32, 4, 2),
+    ("generic", 64, "fp32"): DecodeConfig(64, 4, 2),
+    ("generic", 128, "fp32"): DecodeConfig(32, 4, 2),
+    ("generic", 256, "fp32"): DecodeConfig(32, 4, 2),
+}
+
+AUTOTUNE_CANDIDATES: tuple[DecodeConfig, ...] = (
+    DecodeConfig(32, 2, 4),
+    DecodeConfig(32, 4, 4),
+    DecodeConfig(64, 2, 3),
+    DecodeConfig(64, 4, 4),
+    DecodeConfig(128, 4, 3),
+    DecodeConfig(128, 8, 2),
+)
+
+_PIN_KEYS = {"BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+@SymbolicGridFn
+def decode_grid(batch, head_tiles, q_len, meta, *, cdiv):
+    """Launch grid of the decode kernel, from ``call_sizes`` = (batch, HEAD_TILES, Q_LEN).
+
+    program_id(0) = batch index * HEAD_TILES + head tile (the tiles of one KV head are
+    neighbours, so unpacked heads of a group share K/V through the L2 cache);
+    program_id(1) the share of the KV steps; program_id(2) the tile of BLOCK_Q query
+    positions.
+    """
+    return (batch * head_tiles, meta["SPLIT_KV"], cdiv(q_len, meta["BLOCK_Q"]))
+
+
+@SymbolicGridFn
+def merge_grid(batch, q_heads, q_len, meta, *, cdiv):
+    """Launch grid of the merge pass: (cdiv(Q_LEN, BLOCK_R), batch, query heads)."""
+    return (cdiv(q_len, meta["BLOCK_R"]), batch, q_heads)
+
+
+decode_template = TritonTemplate(
+    name=DECODE_TEMPLATE_NAME,
+    grid=decode_grid,
+    source=kernel_source("decode"),
+)
+merge_template = TritonTemplate(
+    name=MERGE_TEMPLATE_NAME,
+    grid=merge_grid,
+    source=read_template("decode_merge"),
+)
+
+
+class DecodeOptionError(ValueError):
+    """kernel_options ask for something the decode kernel cannot do."""
+
+
+# --------------------------------------------------------------------------------------
+# Which kernel
+# --------------------------------------------------------------------------------------
+def _hint(expr) -> int:
+    return int(V.graph.sizevars.optimization_hint(expr))
+
+
+def use_decode_kernel(query, key, kernel_options: dict[str, Any]) -> bool:
+    """Whether this call runs the split-KV decode kernel (see the module docstring)."""
+    forced = kernel_options.get("FORCE_DECODE")
+    main_forced = bool(kernel_options.get("FORCE_USE_FLEX_ATTENTION", False))
+    if forced is not None and bool(forced) and main_forced:
+        raise DecodeOptionError(
+            "flexattn: kernel_options FORCE_DECODE=True and FORCE_USE_FLEX_ATTENTION=True "
+            "contradict each other; pass one of them")
+    if main_forced:
+        return False
+    if forced is not None:
+        return bool(forced)
+    q_len, kv_len = _hint(query.get_size()[2]), _hint(key.get_size()[2])
+    return q_len <= DECODE_MAX_Q_LEN and kv_len >= DECODE_MIN_KV_LEN
+
+
+# --------------------------------------------------------------------------------------
+# Host-side choices
+# --------------------------------------------------------------------------------------
+def _power_of_two_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How query rows fill a tile: HEADS_PER_TILE heads x BLOCK_Q positions in BLOCK_M rows."""
+
+    heads_per_tile: int
+    block_q: int
+    block_m: int
+
+
+def packing(group: int, q_len_hint: int, sparse_q: int, mask_varies_over_heads: bool) -> Packing:
+    """The packing for a GQA group of ``group`` query heads and queries of ~q_len_hint rows.
+
+    Heads first (each packed head saves a read of K/V), then as many query positions as
+    fit in MAX_TILE_ROWS; BLOCK_Q is a power of two dividing the BlockMask's Q block.
+    """
+    if mask_varies_over_heads:
+        heads = 1
+    else:
+        heads = max(d for d in range(1, group + 1) if group % d == 0 and d <= MAX_TILE_ROWS)
+    block_q = min(_next_power_of_two(q_len_hint), _power_of_two_at_most(MAX_TILE_ROWS // heads))
+    while sparse_q % block_q:
+        block_q //= 2
+    block_m = max(cfgs.MIN_TILE, _next_power_of_two(heads * block_q))
+    return Packing(heads, block_q, block_m)
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return VIRTUAL_SMS
+
+
+def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict[str, Any]) -> int:
+    """SPLIT_KV: PROGRAMS_PER_SM programs per multiprocessor, each with at least
+    MIN_STEPS_PER_SPLIT steps of a dense row; pinned by kernel_options["SPLIT_KV"]."""
+    pinned = kernel_options.get("SPLIT_KV")
+    if pinned is not None:
+        if not isinstance(pinned, int) or isinstance(pinned, bool) or not 1 <= pinned <= MAX_SPLIT_KV:
+            raise DecodeOptionError(
+                f"flexattn: kernel_options SPLIT_KV must be an int in [1, {MAX_SPLIT_KV}], got {pinned!r}")
+        return pinned
+    wanted = math.ceil(PROGRAMS_PER_SM * sms / max(programs, 1))
+    useful = math.ceil(max_steps / MIN_STEPS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLIT_KV))
+
+
+def _pinned(kernel_options: dict[str, Any]) -> dict[str, int]:
+    return {field: int(kernel_options[key]) for key, field in _PIN_KEYS.items()
+            if kernel_options.get(key) is not None}
+
+
+def decode_configs(device, qk_dim_pad: int, dtype, sparse_kv: int, kernel_options) -> list[DecodeConfig]:
+    """The default (+ autotune candidates), pinned fields applied, BLOCK_N fitted to the
+    BlockMask's KV block (a pinned BLOCK_N that does not divide it raises)."""
+    width = "fp32" if dtype == torch.float32 else "16bit"
+    candidates = [DEFAULTS[(cfgs.gpu_generation(device), cfgs.head_dim_bucket(qk_dim_pad), width)]]
+    if inductor_config.max_autotune:
+        candidates += list(AUTOTUNE_CANDIDATES)
+    pinned = _pinned(kernel_options)
+    if "block_n" in pinned:
+        value = pinned["block_n"]
+        if value < cfgs.MIN_TILE or value & (value - 1) or sparse_kv % value:
+            raise cfgs.ConfigError(
+                f"flexattn: kernel_options BLOCK_N={value} must be a power of two >= {cfgs.MIN_TILE} "
+                f"that divides the BlockMask's KV_BLOCK_SIZE={sparse_kv}")
+    out: list[DecodeConfig] = []
+    for cfg in candidates:
+        cfg = dataclasses.replace(cfg, **pinned)
+        block_n = cfg.block_n
+        while block_n > cfgs.MIN_TILE and sparse_kv % block_n:
+            block_n //= 2
+        if sparse_kv % block_n:
+            continue
+        cfg = dataclasses.replace(cfg, block_n=block_n)
+        if cfg not in out:
+            out.append(cfg)
+    if not out:
+        raise cfgs.ConfigError(
+            f"flexattn: no decode configuration fits the BlockMask's KV_BLOCK_SIZE={sparse_kv} "
+            f"(it must be a multiple of {cfgs.MIN_TILE})")
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The lowering proper
+# --------------------------------------------------------------------------------------
+def lower_to_decode_template(
+    query, key, value, score_mod, block_mask, scale, kernel_options,
+    score_mod_buffers, mask_mod_buffers,
+):
+    kernel_options = dict(kernel_options or {})
+    sizevars = V.graph.sizevars
+    (_, _, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+     _, _, _, _, sparse_q, sparse_kv, mask_graph) = block_mask
+    sparse_q = sizevars.guard_int(sparse_q)
+    sparse_kv = sizevars.guard_int(sparse_kv)
+    device = query.get_device()
+    dtype = query.get_dtype()
+
+    B, Hq, L, _ = query.get_size()
+    _, Hkv, S, _ = key.get_size()
+    for name, length in (("query", L), ("key", S)):
+        if sizevars.statically_known_true(sympy.Eq(length, 0)):
+            raise ValueError(f"flexattn: the {name} length must be positive")
+    q_heads = sizevars.guard_int(Hq)
+
+    # Does the BlockMask differ between the heads of a tile? Only a head dimension of 1
+    # proves it does not.
+    mask_varies_over_heads = not sizevars.statically_known_true(sympy.Eq(kv_num_blocks.get_size()[1], 1))
+
+    query = realize_fixed(query)
+    key = broadcast_to(key, [B, Hkv, S, key.get_size()[3]])
+    value = broadcast_to(value, [B, Hkv, S, value.get_size()[3]])
+    n_q_blocks = kv_num_blocks.get_size()[-1]
+    kv_num_blocks = broadcast_to(kv_num_blocks, [B, Hq, n_q_blocks])
+    kv_indices = broadcast_to(kv_indices, [B, Hq, n_q_blocks, kv_indices.get_size()[-1]])
+    has_full_blocks = full_kv_num_blocks is not None
+    if has_full_blocks:
+        full_kv_num_blocks = broadcast_to(full_kv_num_blocks, [B, Hq, full_kv_num_blocks.get_size()[-1]])
+        full_kv_indices = broadcast_to(
+            full_kv_indices, [B, Hq, full_kv_indices.get_size()[-2], full_kv_indices.get_size()[-1]])
+    else:
+        # Never read (HAS_FULL_BLOCKS=False); they fill the signature.
+        full_kv_num_blocks = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
+        full_kv_indices = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
+
+    score_mod_buffers = [realize_fixed(b) for b in score_mod_buffers]
+    mask_mod_buffers = [realize_fixed(b) for b in mask_mod_buffers]
+    has_score_mod = not is_identity_score_mod(score_mod.graph_module)
+    score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
+                                    as_tensor_boxes(score_mod_buffers), "score_mod")
+    mask_buffer = build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
+                                   as_tensor_boxes(mask_mod_buffers), "mask_mod")
+
+    spec = forward_specialisations(
+        query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
+        sparse_q=sparse_q, sparse_kv=sparse_kv, has_full_blocks=has_full_blocks,
+        has_score_mod=has_score_mod,
+    )
+    group = spec["GQA_GROUP_SIZE"]
+    pack = packing(group, _hint(L), sparse_q, mask_varies_over_heads)
+    head_tiles = q_heads // pack.heads_per_tile
+
+    usable = decode_configs(device, spec["QK_HEAD_DIM_PAD"], dtype, sparse_kv, kernel_options)
+    # One SPLIT_KV for all configs (it shapes the partial buffers); sized for the
+    # smallest KV step among them.
+    smallest_step = min(cfg.block_n for cfg in usable)
+    programs = _hint(B) * head_tiles * math.ceil(_hint(L) / pack.block_q)
+    split_kv = split_count(sms=multiprocessor_count(device), programs=programs,
+                           max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options)
+
+    v_dim = spec["V_HEAD_DIM"]
+    acc_layout = ir.FixedLayout(device, torch.float32, [B, Hq, L, split_kv, v_dim],
+                                ir.FlexibleLayout.contiguous_strides([B, Hq, L, split_kv, v_dim]))
+    m_part = realize_fixed(empty_strided([B, Hq, L, split_kv], None, dtype=torch.float32, device=device))
+    l_part = realize_fixed(empty_strided([B, Hq, L, split_kv], None, dtype=torch.float32, device=device))
+
+    input_nodes = [query, key, value, m_part, l_part, kv_num_blocks, kv_indices,
+                   full_kv_num_blocks, full_kv_indices]
+    known = sizevars.statically_known_true
+    shared = {
+        **spec,
+        "HEADS_PER_TILE": pack.heads_per_tile,
+        "HEAD_TILES": head_tiles,
+        "BLOCK_Q": pack.block_q,
+        "BLOCK_M": pack.block_m,
+        "SPLIT_KV": split_kv,
+        "IS_DIVISIBLE_N": known(sympy.Eq(sympy.Mod(S, sparse_kv), 0)),
+    }
+    choices: list[Any] = []
+    config_of_choice: dict[int, DecodeConfig] = {}
+    errors: list[str] = []
+    for cfg in usable:
+        error = decode_template.maybe_append_choice(
+            choices,
+            input_nodes=input_nodes,
+            layout=acc_layout,
+            subgraphs=[score_buffer, mask_buffer],
+            mutated_inputs=[m_part, l_part],
+            call_sizes=[B, sympy.Integer(head_tiles), L],
+            num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps,
+            **shared,
+            BLOCK_N=cfg.block_n,
+        )
+        if error is not None:
+            errors.append(f"{cfg.describe()}: {error}")
+        else:
+            config_of_choice[id(choices[-1].make_kernel_render)] = cfg
+    if not choices:
+        raise RuntimeError("flexattn: the decode template could not be generated for any "
+                           "configuration:\n" + "\n".join(errors))
+
+    captured = [b for b in (*score_mod_buffers, *mask_mod_buffers) if isinstance(b, ir.IRNode)]
+    if has_full_blocks:
+        input_gen_fns = {5: _benchmark_block_counts(kv_indices, 0.5), 6: _benchmark_block_indices,
+                         7: _benchmark_block_counts(full_kv_indices, 0.5), 8: _benchmark_full_block_indices}
+    else:
+        input_gen_fns = {5: _benchmark_block_counts(kv_indices, 1.0), 6: _benchmark_block_indices}
+    acc = _compat.autotune_select_node(
+        DECODE_TEMPLATE_NAME, choices, input_nodes + captured, acc_layout, input_gen_fns=input_gen_fns)
+
+    out, lse, row_max = _merge(acc, m_part, l_part, query, spec, split_kv)
+    _report_choice(acc, config_of_choice, usable, pack, split_kv, spec, query, key, kernel_options)
+    return out, lse, row_max
+
+
+def _merge(acc, m_part, l_part, query, spec, split_kv):
+    """The second pass: partial results -> out (query's layout), lse, max."""
+    B, Hq, L, _ = query.get_size()
+    device = query.get_device()
+    acc = realize_fixed(acc)
+    layout = output_layout(query, spec["V_HEAD_DIM"])
+    lse = realize_fixed(empty_strided([B, Hq, L], None, dtype=torch.float32, device=device))
+    row_max = realize_fixed(empty_strided([B, Hq, L], None, dtype=torch.float32, device=device))
+    choices: list[Any] = []
+    error = merge_template.maybe_append_choice(
+        choices,
+        input_nodes=[acc, m_part, l_part, lse, row_max],
+        layout=layout,
+        mutated_inputs=[lse, row_max],
+        call_sizes=[B, Hq, L],
+        num_stages=1,
+        num_warps=4,
+        BLOCK_R=min(MERGE_ROWS, _next_power_of_two(_hint(L))),
+        SPLIT_KV=split_kv,
+        SPLIT_KV_PAD=_next_power_of_two(split_kv),
+        V_HEAD_DIM=spec["V_HEAD_DIM"],
+        V_HEAD_DIM_PAD=spec["V_HEAD_DIM_PAD"],
+        ROWS_GUARANTEED_SAFE=spec["ROWS_GUARANTEED_SAFE"],
+        OUTPUT_LOGSUMEXP=spec["OUTPUT_LOGSUMEXP"],
+        OUTPUT_MAX=spec["OUTPUT_MAX"],
+    )
+    if error is not None or not choices:
+        raise RuntimeError(f"flexattn: the decode merge template could not be generated: {error}")
+    out = _compat.autotune_select_node(MERGE_TEMPLATE_NAME, choices, [acc, m_part, l_part, lse, row_max], layout)
+    return out, ir.TensorBox(lse), ir.TensorBox(row_max)
+
+
+def _report_choice(acc, config_of_choice, usable, pack, split_kv, spec, query, key, kernel_options) -> None:
+    level = logging.WARNING if _debug_requested(kernel_options) else logging.INFO
+    if not log.isEnabledFor(level):
+        return
+    buffer = acc.data.data if isinstance(acc, ir.TensorBox) else acc
+    chosen = config_of_choice.get(id(getattr(buffer, "make_kernel_render", None)))
+    what = chosen.describe() if chosen is not None else (
+        f"decided later by Inductor among {[c.describe() for c in usable]}")
+    log.log(
+        level,
+        "flexattn decode: q %s k %s %s -> %s, SPLIT_KV=%d, HEADS_PER_TILE=%d BLOCK_Q=%d BLOCK_M=%d "
+        "(of %d candidate(s)); specialisations %s",
+        list(query.get_size()), list(key.get_size()), query.get_dtype(), what, split_kv,
+        pack.heads_per_tile, pack.block_q, pack.block_m, len(usable),
+        {k: spec[k] for k in ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
+                              "HAS_SCORE_MOD", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE")},
+    )
+
+
+__all__ = [
+    "DecodeConfig",
+    "decode_grid",
+    "decode_template",
+    "lower_to_decode_template",
+    "merge_grid",
+    "merge_template",
+    "use_decode_kernel",
+]

@@ -1,0 +1,413 @@
+"""The split-KV decode kernel (lowering/decode.py, templates/decode*.py.jinja).
+
+Numerics as in test_forward.py: every case runs the HOP three ways from the same fresh
+random inputs (float64 reference = golden, reference in the test dtype, the compiled
+call) and passes when ``err(kernel, golden) <= 2 * err(reference, golden) + floor`` for
+out, lse and max, with no NaN (tests/_numerics.py). The allocator is poisoned with NaN
+before each compiled call.
+
+Decoding as a server does it: the L new query tokens are the last L positions of a
+sequence of S keys. The kernel hands the mods q_idx in 0..L-1 (the query's own index);
+the mods below add the offset S - L themselves, read from a captured tensor.
+
+Shapes depend on the device: small in the interpreter (float16/float32), larger on CUDA
+(plus bfloat16). Most cases pin FORCE_DECODE=True so that short KV lengths exercise the
+decode kernel too; ``test_kernel_choice`` checks the automatic choice.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import flexattn
+import flexattn.lowering
+from flexattn import _compat, mods
+from flexattn._hop import dense_flex_attention, flex_attention_hop
+from flexattn.block_mask import create_block_mask, noop_mask
+from flexattn.lowering import decode as dec
+
+from _numerics import assert_close_3way
+from conftest import DEVICE
+
+flexattn.lowering.register()
+_compat.use_interpreter_libdevice()
+
+ON_CUDA = DEVICE == "cuda"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
+SLOW = os.environ.get("FLEXATTN_SLOW") == "1"
+DECODE_MARK = "def attend_kv_steps("   # the decode kernel's inner loop
+MAIN_MARK = "def attend_kv_blocks("    # the main forward kernel's inner loop
+
+OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, PRESCALE_QK=False,
+               ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, FORCE_DECODE=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_with_our_template():
+    patches = {"force_disable_caches": True}
+    if not ON_CUDA:
+        patches["cpu_backend"] = "triton"
+    with torch._inductor.config.patch(**patches):
+        yield
+
+
+def scaled(cpu, cuda):
+    return cuda if ON_CUDA else cpu
+
+
+# --------------------------------------------------------------------------------------
+# Harness
+# --------------------------------------------------------------------------------------
+def _poison_allocator(nbytes: int) -> None:
+    junk = torch.full((max(nbytes // 4, 1),), float("nan"), device=DEVICE)
+    del junk
+
+
+def _golden(x):
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def run_case(
+    *, dtype=torch.float16, B=2, Hq=4, Hkv=2, Bkv=None, L=1, S=129, E=32, Ev=None,
+    score_mod=None, mask_mod=None, block_mask=None, block_size=128, mask_heads=None,
+    options=None, make_inputs=None, seed=0, with_code=False,
+):
+    """Build inputs, run golden / reference / compiled, check the 3-way bound.
+
+    The BlockMask is built over (B, mask_heads) (default: no head dimension).
+    Returns (compiled outputs, golden outputs[, generated code]).
+    """
+    Ev = Ev or E
+    options = {**OPTIONS, **(options or {})}
+    gen = torch.Generator().manual_seed(seed)
+    if make_inputs is not None:
+        q, k, v = make_inputs(gen)
+    else:
+        q = torch.randn(B, Hq, L, E, generator=gen).to(DEVICE, dtype)
+        k = torch.randn(Bkv or B, Hkv, S, E, generator=gen).to(DEVICE, dtype)
+        v = torch.randn(Bkv or B, Hkv, S, Ev, generator=gen).to(DEVICE, dtype)
+    L, S = q.shape[2], k.shape[2]
+    score_mod = score_mod or (lambda score, b, h, q_idx, kv_idx: score)
+    if block_mask is None:
+        block_mask = create_block_mask(mask_mod or noop_mask, B, mask_heads, L, S, device=DEVICE,
+                                       BLOCK_SIZE=block_size).as_tuple()
+    scale = q.shape[-1] ** -0.5
+
+    golden = dense_flex_attention(_golden(q), _golden(k), _golden(v), score_mod, block_mask, scale,
+                                  options, (), ())
+    ref = dense_flex_attention(q, k, v, score_mod, block_mask, scale, options, (), ())
+
+    def fn(q, k, v):
+        return flex_attention_hop(q, k, v, score_mod, block_mask, scale, options, (), ())
+
+    _poison_allocator(8 * q.numel() * 64)
+    out, code = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), q, k, v)
+    code = "\n".join(code)
+    if options.get("FORCE_DECODE"):
+        assert DECODE_MARK in code, "the decode kernel did not run"
+
+    assert out[0].dtype == dtype and out[0].shape == (q.shape[0], q.shape[1], L, v.shape[-1])
+    assert_close_3way("out", out[0], ref[0], golden[0], dtype)
+    if options["OUTPUT_LOGSUMEXP"]:
+        assert_close_3way("lse", out[1], ref[1], golden[1], dtype)
+    if options["OUTPUT_MAX"]:
+        assert_close_3way("max_scores", out[2], ref[2], golden[2], dtype)
+    return (out, golden, code) if with_code else (out, golden)
+
+
+# Mods written in logical positions: the query row q_idx sits at position q_idx + offset.
+# ``offset`` is a captured tensor of per-sequence offsets, indexed by b.
+def causal_at(offset):
+    def causal_with_offset(b, h, q_idx, kv_idx):
+        return q_idx + offset[b] >= kv_idx
+    return causal_with_offset
+
+
+def window_at(offset, window):
+    def sliding_window_with_offset(b, h, q_idx, kv_idx):
+        pos = q_idx + offset[b]
+        return (pos >= kv_idx) & (pos - kv_idx < window)
+    return sliding_window_with_offset
+
+
+def alibi_at(offset, num_heads):
+    slopes = mods.alibi_slopes(num_heads, device=DEVICE)
+
+    def alibi_with_offset(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - (q_idx + offset[b]))
+    return alibi_with_offset
+
+
+def document_at(offset, doc_ids):
+    def document_with_offset(b, h, q_idx, kv_idx):
+        pos = q_idx + offset[b]
+        return (doc_ids[pos] == doc_ids[kv_idx]) & (pos >= kv_idx)
+    return document_with_offset
+
+
+MAX_BATCH = 8
+
+
+def _offset(L, S):
+    """The query's offset, S - L for every sequence, as a captured (MAX_BATCH,) tensor.
+
+    (Not a 0-d tensor: Inductor hands a 0-d CPU graph input to Triton kernels as a
+    Python scalar, which the templates' captured-tensor loads cannot take.)
+    """
+    return torch.full((MAX_BATCH,), S - L, device=DEVICE)
+
+
+# --------------------------------------------------------------------------------------
+# GQA groups, query lengths, KV lengths
+# --------------------------------------------------------------------------------------
+GROUPS_AND_LENGTHS = [(1, 1), (2, 3), (4, 1), (8, 1), (8, 7), (4, 16), (2, 64), (1, 33)] + (
+    [(8, 64), (4, 40), (1, 64)] if ON_CUDA else [])
+
+
+@pytest.mark.parametrize("group,L", GROUPS_AND_LENGTHS, ids=lambda x: str(x))
+def test_groups_and_query_lengths(group, L):
+    S = scaled(200, 2000)
+    run_case(B=2, Hq=2 * group, Hkv=2, L=L, S=S, mask_mod=causal_at(_offset(L, S)),
+             seed=group * 100 + L)
+
+
+KV_LENGTHS = [1, 17, 129, 1000] + ([4097, 32768] if ON_CUDA else [])
+
+
+@pytest.mark.parametrize("S", KV_LENGTHS)
+def test_kv_lengths(S):
+    L = 1
+    run_case(B=scaled(1, 4), Hq=8, Hkv=2, L=L, S=S, mask_mod=causal_at(_offset(L, S)), seed=S)
+
+
+def test_kv_length_not_a_multiple_no_mask():
+    run_case(B=2, Hq=4, Hkv=4, L=2, S=scaled(333, 3333), seed=5)
+
+
+# --------------------------------------------------------------------------------------
+# Mods
+# --------------------------------------------------------------------------------------
+def _document_ids(S):
+    bounds = torch.tensor([S // 7, S // 3, S - S // 5])
+    return torch.bucketize(torch.arange(S), bounds, right=True).to(DEVICE)
+
+
+MOD_CASES = {
+    "causal_offset": lambda L, S, H: (None, causal_at(_offset(L, S))),
+    "sliding_window": lambda L, S, H: (None, window_at(_offset(L, S), S // 3)),
+    "alibi": lambda L, S, H: (alibi_at(_offset(L, S), H), causal_at(_offset(L, S))),
+    "softcap": lambda L, S, H: (mods.tanh_softcap(2.0), causal_at(_offset(L, S))),
+    "document": lambda L, S, H: (None, document_at(_offset(L, S), _document_ids(S))),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(MOD_CASES))
+def test_mods(case, dtype):
+    L, S, Hq = 3, scaled(300, 3000), 4
+    score_mod, mask_mod = MOD_CASES[case](L, S, Hq)
+    run_case(dtype=dtype, Hq=Hq, Hkv=2, L=L, S=S, score_mod=score_mod, mask_mod=mask_mod,
+             seed=zlib.crc32(case.encode()))
+
+
+def test_captured_tensors_indexed_by_every_index():
+    """Bias tables indexed by b, h (per packed row), q_idx and kv_idx, and per-batch
+    cache lengths: each sequence of the batch has its own number of valid keys."""
+    B, Hq, Hkv, L, S = 3, 8, 2, 4, scaled(150, 1500)
+    g = torch.Generator().manual_seed(7)
+    bias_b, bias_h = torch.randn(B, generator=g).to(DEVICE), torch.randn(Hq, generator=g).to(DEVICE)
+    bias_q, bias_kv = torch.randn(L, generator=g).to(DEVICE), torch.randn(S, generator=g).to(DEVICE)
+    lengths = torch.tensor([S, S // 2, 5], device=DEVICE)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias_b[b] + bias_h[h] + bias_q[q_idx] * bias_kv[kv_idx]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx + lengths[b] - L >= kv_idx
+
+    run_case(dtype=torch.float32, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, score_mod=score_mod, mask_mod=mask_mod)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_fully_masked_rows(dtype):
+    """Head 1 and query row 0 see nothing: out 0, lse and max -inf there."""
+    L, S = 3, scaled(140, 1400)
+    off = _offset(L, S)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (h != 1) & (q_idx > 0) & (q_idx + off[b] >= kv_idx)
+
+    out, _ = run_case(dtype=dtype, Hq=4, Hkv=2, L=L, S=S, mask_mod=mask_mod)
+    for dead in (out[0][:, 1], out[0][:, :, 0]):
+        assert torch.all(dead == 0)
+    for aux in (out[1], out[2]):
+        assert torch.all(aux[:, 1] == float("-inf")) and torch.all(aux[:, :, 0] == float("-inf"))
+        assert torch.isfinite(aux[:, 0, 1:]).all()
+
+
+def test_per_head_block_mask():
+    """A BlockMask with a head dimension: heads are not packed (HEADS_PER_TILE=1), each
+    head walks its own block list."""
+    L, S = 2, scaled(300, 3000)
+    off = _offset(L, S)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx + off[b] >= kv_idx) & (q_idx + off[b] - kv_idx < 40 * (h + 1))
+
+    _, _, code = run_case(Hq=4, Hkv=2, L=L, S=S, mask_mod=mask_mod, mask_heads=4, block_size=32,
+                          with_code=True)
+    assert "'HEADS_PER_TILE': 1" in code
+
+
+# --------------------------------------------------------------------------------------
+# Splits, tiles, block sizes, options
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("split", [1, 3, 16])
+def test_split_kv_pinned(split):
+    """One share, uneven shares, and more shares than KV steps (some shares empty)."""
+    L, S = 2, scaled(250, 2500)
+    _, _, code = run_case(Hq=4, Hkv=2, L=L, S=S, mask_mod=window_at(_offset(L, S), S // 2),
+                          options={"SPLIT_KV": split}, with_code=True)
+    assert f"'SPLIT_KV': {split}," in code
+
+
+@pytest.mark.parametrize("block_size,L", [(16, 40), ((32, 64), 5), (64, 1)], ids=str)
+def test_block_sizes(block_size, L):
+    """Small Q blocks split the query over several tiles and BlockMask rows."""
+    S = scaled(190, 1900)
+    run_case(Hq=4, Hkv=1, L=L, S=S, mask_mod=causal_at(_offset(L, S)), block_size=block_size, seed=L)
+
+
+@pytest.mark.parametrize("options", [
+    {"PRESCALE_QK": True},
+    {"ROWS_GUARANTEED_SAFE": True},
+    {"BLOCKS_ARE_CONTIGUOUS": True},
+    {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1},
+    {"OUTPUT_MAX": False, "OUTPUT_LOGSUMEXP": False},
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_kernel_options(options):
+    L, S = 2, scaled(200, 2000)
+    run_case(Hq=4, Hkv=2, L=L, S=S, score_mod=mods.tanh_softcap(5.0), mask_mod=causal_at(_offset(L, S)),
+             options=options, block_size=64)
+
+
+def test_no_full_blocks():
+    L, S = 2, scaled(200, 2000)
+    t = list(create_block_mask(causal_at(_offset(L, S)), None, None, L, S, device=DEVICE,
+                               BLOCK_SIZE=64).as_tuple())
+    t[4], t[5] = None, None
+    run_case(Hq=4, Hkv=2, L=L, S=S, block_mask=tuple(t))
+
+
+@pytest.mark.parametrize("E,Ev", [(16, 16), (80, 48), (64, 128)] + ([(128, 128), (256, 256)] if ON_CUDA else []),
+                         ids=str)
+def test_head_dims(E, Ev):
+    L, S = 1, scaled(130, 1300)
+    run_case(Hq=4, Hkv=1, L=L, S=S, E=E, Ev=Ev, mask_mod=causal_at(_offset(L, S)))
+
+
+def test_kv_batch_1_and_non_contiguous():
+    """A KV cache shared by the batch (batch 1) in (S, H, D) order; a strided query."""
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 3, scaled(100, 1000), 32
+
+    def make(gen):
+        q = torch.randn(B, L, Hq, E, generator=gen).to(DEVICE, torch.float16).transpose(1, 2)
+        k = torch.randn(1, S, Hkv, E, generator=gen).to(DEVICE, torch.float16).transpose(1, 2)
+        v = torch.randn(1, S, Hkv, E, generator=gen).to(DEVICE, torch.float16).transpose(1, 2)
+        return q, k, v
+
+    run_case(B=B, make_inputs=make, mask_mod=causal_at(_offset(L, S)))
+
+
+# --------------------------------------------------------------------------------------
+# Which kernel runs
+# --------------------------------------------------------------------------------------
+def _code_for(L, S, options):
+    q = torch.randn(1, 4, L, 16, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(1, 2, S, 16, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(1, 2, S, 16, device=DEVICE, dtype=torch.float16)
+
+    def fn(q, k, v):
+        return flexattn.flex_attention(q, k, v, enable_gqa=True, kernel_options=options)
+
+    out, code = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), q, k, v)
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1))
+    assert torch.allclose(out.float(), expect, atol=2e-3, rtol=2e-3)
+    return "\n".join(code)
+
+
+@pytest.mark.parametrize("L,S,options,expect", [
+    (1, 300, None, "decode"),
+    (64, 256, None, "decode"),
+    (1, 300, {"FORCE_DECODE": False}, "main"),
+    (1, 300, {"FORCE_USE_FLEX_ATTENTION": True}, "main"),
+    (1, 40, None, "main"),
+    (65, 300, None, "main"),
+    (100, 40, {"FORCE_DECODE": True}, "decode"),
+], ids=lambda x: str(x))
+def test_kernel_choice(L, S, options, expect):
+    code = _code_for(L, S, options)
+    assert (DECODE_MARK in code) == (expect == "decode")
+    assert (MAIN_MARK in code and DECODE_MARK not in code) == (expect == "main")
+
+
+def test_contradicting_force_options():
+    with pytest.raises(Exception, match="FORCE_DECODE=True and FORCE_USE_FLEX_ATTENTION=True"):
+        _code_for(1, 300, {"FORCE_DECODE": True, "FORCE_USE_FLEX_ATTENTION": True})
+
+
+@pytest.mark.parametrize("split", [0, 1000, "4"])
+def test_bad_split_kv(split):
+    with pytest.raises(Exception, match="SPLIT_KV must be an int"):
+        _code_for(1, 300, {"SPLIT_KV": split})
+
+
+def test_public_api_decode_step_eager():
+    """flexattn.flex_attention called eagerly (it compiles itself) with a decode-shaped
+    GQA query, lse and max requested."""
+    B, Hq, Hkv, L, S, E = 2, 8, 2, 1, scaled(300, 3000), 32
+    q = torch.randn(B, Hq, L, E, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
+    bm = flexattn.create_block_mask(window_at(_offset(L, S), 100), None, None, L, S, device=DEVICE)
+    out, aux = flexattn.flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                                       return_aux=flexattn.AuxRequest(lse=True, max_scores=True))
+    keep = torch.arange(S, device=DEVICE) >= S - 100
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double()[:, :, keep].repeat_interleave(4, 1), v.double()[:, :, keep].repeat_interleave(4, 1))
+    assert torch.allclose(out.double(), expect, atol=3e-3, rtol=3e-3)
+    assert aux.lse.shape == aux.max_scores.shape == (B, Hq, L)
+
+
+# --------------------------------------------------------------------------------------
+# Host-side choices (no kernels)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group,L,sparse_q,per_head,expect", [
+    (4, 1, 128, False, (4, 1, 16)),
+    (8, 1, 128, False, (8, 1, 16)),
+    (8, 64, 128, False, (8, 8, 64)),
+    (8, 64, 128, True, (1, 64, 64)),
+    (1, 64, 128, False, (1, 64, 64)),
+    (1, 40, 16, False, (1, 16, 16)),
+    (6, 5, 128, False, (6, 8, 64)),
+    (128, 1, 128, False, (64, 1, 64)),
+], ids=str)
+def test_packing(group, L, sparse_q, per_head, expect):
+    p = dec.packing(group, L, sparse_q, per_head)
+    assert (p.heads_per_tile, p.block_q, p.block_m) == expect
+
+
+def test_split_count():
+    # B=1, 8 KV heads, 1 token, 132 SMs: 4 programs per SM wanted; a 32k cache has enough steps.
+    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}) == 66
+    # Short caches cap the split at MIN_STEPS_PER_SPLIT steps a share.
+    assert dec.split_count(sms=132, programs=8, max_steps=8, kernel_options={}) == 4
+    # Many programs: no split.
+    assert dec.split_count(sms=132, programs=1024, max_steps=512, kernel_options={}) == 1
+    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={"SPLIT_KV": 5}) == 5
