@@ -47,13 +47,7 @@ OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, PRESCALE_QK=False,
                ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, FORCE_DECODE=True)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compile_with_our_template():
-    patches = {"force_disable_caches": True}
-    if not ON_CUDA:
-        patches["cpu_backend"] = "triton"
-    with torch._inductor.config.patch(**patches):
-        yield
+pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
 
 def scaled(cpu, cuda):
@@ -385,6 +379,21 @@ def test_public_api_decode_step_eager():
     assert aux.lse.shape == aux.max_scores.shape == (B, Hq, L)
 
 
+def test_growing_cache_dynamic_shapes():
+    """Decode steps against a cache that grows: after the second length Dynamo compiles
+    with a symbolic KV length, and the same decode kernel serves every later step."""
+    B, Hq, Hkv, E = 2, 4, 2, 16
+    compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+    q = torch.randn(B, Hq, 1, E, device=DEVICE, dtype=torch.float16)
+    for S in (scaled(300, 3000), scaled(333, 3333), scaled(410, 4100)):
+        k = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
+        v = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
+        bm = flexattn.create_block_mask(window_at(_offset(1, S), 100), None, None, 1, S, device=DEVICE)
+        out = compiled(q, k, v, block_mask=bm, enable_gqa=True)
+        ref = flexattn.flex_attention(q.double(), k.double(), v.double(), block_mask=bm, enable_gqa=True)
+        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+
+
 # --------------------------------------------------------------------------------------
 # Host-side choices (no kernels)
 # --------------------------------------------------------------------------------------
@@ -411,3 +420,21 @@ def test_split_count():
     # Many programs: no split.
     assert dec.split_count(sms=132, programs=1024, max_steps=512, kernel_options={}) == 1
     assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={"SPLIT_KV": 5}) == 5
+
+
+def test_bench_decode_dry_run(tmp_path):
+    """bench/bench_decode.py --dry-run (CPU, eager backend: the harness, not the kernel)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("_bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    report = bench.main(["--dry-run", "--out", str(tmp_path)])
+    impls = {(r["case"], r["impl"]) for r in report["results"] if "error" not in r}
+    assert len(impls) == len(report["results"]) == 10
+    assert all(r["max_abs_err"] < 1e-4 for r in report["results"])
+    assert len(list(tmp_path.glob("decode-cpu-*.json"))) == 1 and "flexattn/torch_flex" in report["markdown"]

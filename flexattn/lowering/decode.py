@@ -24,8 +24,9 @@ only affects speed, every choice is correct for every size):
   most ``MAX_SPLIT_KV``; ``kernel_options["SPLIT_KV"]`` pins it;
 * the KV step (``DecodeConfig``): BLOCK_N, warps and stages from ``DEFAULTS`` (plus
   ``AUTOTUNE_CANDIDATES`` under max_autotune); ``kernel_options`` ``BLOCK_N``,
-  ``num_warps``, ``num_stages`` (or ``decode_``-less forms shared with the forward
-  kernel) pin them. BLOCK_M / fwd_* keys tile the main kernel and are not read here.
+  ``num_warps`` and ``num_stages`` (the keys the forward kernel reads too) pin them.
+  ``BLOCK_M`` and the ``fwd_*`` keys tile the main kernel only: the decode tile's rows
+  follow from the packing.
 
 The chosen configuration is logged on the ``flexattn.lowering`` logger like the
 forward's (at INFO; WARNING with DEBUG_CONFIG).

@@ -1,0 +1,278 @@
+"""Benchmark: decoding, one new query token against a long KV cache (issue 6's suite).
+
+Cases: batch B in {1, 8, 32} x KV length in {2k, 8k, 32k, 128k}, 32 query heads on 8
+KV heads (GQA), D=128, bf16, query length 1 at position S-1; each with no mask and with
+a causal sliding window of 1024 tokens (expressed in logical positions with the query's
+offset S-1). Implementations side by side in one run:
+
+* ``flexattn``     ``torch.compile(flexattn.flex_attention)`` (the split-KV decode kernel)
+* ``flexattn_main`` the same with ``kernel_options={"FORCE_DECODE": False}`` (main kernel;
+  ``--with-main``)
+* ``torch_flex``   ``torch.compile(torch.nn.attention.flex_attention.flex_attention)``
+* ``sdpa``         ``scaled_dot_product_attention(..., enable_gqa=True)``, default backend
+  choice (no-mask cases only: SDPA has no sliding window)
+
+Each cell: median ms with ``triton.testing.do_bench`` (launch overhead included) and with
+``do_bench_cudagraph`` (the kernels alone, replayed from a CUDA graph; ``--no-cudagraph``
+skips it), the bytes that must be read (the visible K/V rows plus q and out) and the
+achieved bandwidth as a fraction of the device copy bandwidth measured at the start of
+the run, and the largest |difference| of the output from the float64 reference. Ratios
+flexattn / torch_flex and flexattn / sdpa per case (> 1 means flexattn is faster).
+
+    python bench/bench_decode.py                          # the whole suite (~5-8 min)
+    python bench/bench_decode.py --batches 1 --kv 32768   # a slice
+    python bench/bench_decode.py --split-kv 16,32,64      # flexattn at pinned SPLIT_KV values
+    python bench/bench_decode.py --dry-run                # CPU, tiny shapes, seconds
+
+Writes ``decode-<gpu>-<date>.json`` and ``.md`` under ``--out`` (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import flex_attention as torch_flex
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import flexattn  # noqa: E402
+
+RESULTS_DIR = REPO / "bench" / "results"
+WINDOW = 1024
+SEED = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int
+    Hq: int
+    Hkv: int
+    S: int
+    D: int
+    window: int | None  # None: no mask
+
+    @property
+    def name(self) -> str:
+        mask = f"window{self.window}" if self.window else "nomask"
+        return f"b{self.B}_kv{self.S}_h{self.Hq}on{self.Hkv}_d{self.D}_{mask}"
+
+    def visible_keys(self) -> int:
+        return self.S if self.window is None else min(self.S, self.window)
+
+
+def suite(batches, kv_lengths, Hq=32, Hkv=8, D=128) -> list[Case]:
+    return [Case(B, Hq, Hkv, S, D, window) for window in (None, WINDOW) for B in batches for S in kv_lengths]
+
+
+def window_mask(offset: int, window: int):
+    """Causal sliding window for a query at logical position q_idx + offset."""
+    def decode_window(b, h, q_idx, kv_idx):
+        pos = q_idx + offset
+        return (pos >= kv_idx) & (pos - kv_idx < window)
+    return decode_window
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    src = torch.empty(1 << 29, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, cudagraph: bool, cpu_reps: int) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        if cudagraph:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    times = []
+    for _ in range(cpu_reps + 1):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
+def error_text(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]:
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    q = torch.randn(case.B, case.Hq, 1, case.D, generator=gen, device=device, dtype=dtype)
+    k = torch.randn(case.B, case.Hkv, case.S, case.D, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(case.B, case.Hkv, case.S, case.D, generator=gen, device=device, dtype=dtype)
+    group = case.Hq // case.Hkv
+    keep = slice(case.S - case.visible_keys(), case.S)
+    # float64 reference on the visible keys (the window is the last `window` keys).
+    expect = F.scaled_dot_product_attention(
+        q.double(), k[:, :, keep].double().repeat_interleave(group, 1),
+        v[:, :, keep].double().repeat_interleave(group, 1))
+    masks = {"flexattn": None, "torch_flex": None}
+    if case.window is not None:
+        mask_mod = window_mask(case.S - 1, case.window)
+        masks["flexattn"] = flexattn.create_block_mask(mask_mod, None, None, 1, case.S, device=device)
+        masks["torch_flex"] = torch_flex.create_block_mask(mask_mod, None, None, 1, case.S, device=device)
+    # K/V rows that must be read: the visible keys, widened to whole 128-key blocks
+    # (a window not aligned to the blocks touches one block more).
+    kv_rows = case.S if case.window is None else min(case.S, (math.ceil(case.window / 128) + 1) * 128)
+    nbytes = (2 * case.B * case.Hkv * kv_rows * case.D + 2 * case.B * case.Hq * case.D) * q.element_size()
+
+    impls: list[tuple[str, Callable[[], torch.Tensor]]] = []
+    for split in args.split_kv or [None]:
+        options = {} if split is None else {"SPLIT_KV": split}
+        name = "flexattn" if split is None else f"flexattn_split{split}"
+        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
+        impls.append((name, lambda c=compiled, o=options: c(q, k, v, block_mask=masks["flexattn"], enable_gqa=True,
+                                                               kernel_options=o or None)))
+    if args.with_main:
+        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
+        impls.append(("flexattn_main", lambda c=compiled: c(q, k, v, block_mask=masks["flexattn"], enable_gqa=True,
+                                                            kernel_options={"FORCE_DECODE": False})))
+    compiled_torch = torch.compile(torch_flex.flex_attention, fullgraph=True, backend=args.compile_backend)
+    impls.append(("torch_flex", lambda: compiled_torch(q, k, v, block_mask=masks["torch_flex"], enable_gqa=True)))
+    if case.window is None:
+        impls.append(("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
+
+    records = []
+    for name, fn in impls:
+        record: dict[str, Any] = {"case": case.name, "impl": name, **dataclasses.asdict(case), "bytes": nbytes}
+        torch._dynamo.reset()
+        try:
+            start = time.perf_counter()
+            out = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            record["first_call_s"] = time.perf_counter() - start
+            record["max_abs_err"] = float((out.double() - expect).abs().max())
+            record["ms"] = time_ms(fn, device, False, args.cpu_reps)
+            if device.type == "cuda" and not args.no_cudagraph:
+                record["ms_graph"] = time_ms(fn, device, True, args.cpu_reps)
+            best = min(record.get("ms_graph", math.inf), record["ms"])
+            record["GBps"] = nbytes / (best * 1e-3) / 1e9
+            if bandwidth:
+                record["copy_bw_fraction"] = nbytes / (best * 1e-3) / bandwidth
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            record["error"] = error_text(e)
+            print(f"warning: {case.name} {name}: {record['error']}", file=sys.stderr)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        records.append(record)
+        print(json.dumps(record), flush=True)
+    return records
+
+
+def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -> str:
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in results:
+        by_case.setdefault(r["case"], {})[r["impl"]] = r
+    impls = sorted({r["impl"] for r in results}, key=lambda n: (not n.startswith("flexattn"), n))
+    lines = [f"Decode suite on {gpu}; copy bandwidth "
+             f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else f"Decode suite on {gpu}",
+             "", "ms (cuda-graph ms) [fraction of copy bandwidth] per impl; ratios from the graph times "
+             "when present (> 1: flexattn faster)", "",
+             "| case | " + " | ".join(impls) + " | flexattn/torch_flex | flexattn/sdpa |",
+             "| --- |" + " --- |" * (len(impls) + 2)]
+
+    def best(r):
+        if r is None or "error" in r:
+            return None
+        return r.get("ms_graph", r.get("ms"))
+
+    for case, cells in by_case.items():
+        row = [case]
+        for impl in impls:
+            r = cells.get(impl)
+            if r is None:
+                row.append("")
+            elif "error" in r:
+                row.append("error")
+            else:
+                text = f"{r['ms']:.3f}"
+                if "ms_graph" in r:
+                    text += f" ({r['ms_graph']:.3f})"
+                if "copy_bw_fraction" in r:
+                    text += f" [{r['copy_bw_fraction']:.2f}]"
+                row.append(text)
+        ours = best(cells.get("flexattn"))
+        for other in ("torch_flex", "sdpa"):
+            theirs = best(cells.get(other))
+            row.append(f"{theirs / ours:.2f}x" if ours and theirs else "")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--kv", default="2048,8192,32768,131072")
+    p.add_argument("--masks", default="nomask,window", help="nomask, window or both")
+    p.add_argument("--split-kv", default="", help="comma list: time flexattn at these pinned SPLIT_KV values")
+    p.add_argument("--with-main", action="store_true", help="also time flexattn's main kernel (FORCE_DECODE=False)")
+    p.add_argument("--no-cudagraph", action="store_true")
+    p.add_argument("--compile-backend", default=None)
+    p.add_argument("--cpu-reps", type=int, default=1)
+    p.add_argument("--out", default=None)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, eager compile backend")
+    args = p.parse_args(argv)
+    args.split_kv = [int(x) for x in args.split_kv.split(",") if x]
+    return args
+
+
+def main(argv=None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+        cases = [Case(B, 4, 2, 300, 16, w) for w in (None, 64) for B in (1, 2)]
+        args.compile_backend = args.compile_backend or "eager"
+        out_dir = Path(args.out) if args.out else RESULTS_DIR / "dry-run"
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        masks = {m.strip() for m in args.masks.split(",")}
+        cases = [c for c in suite([int(b) for b in args.batches.split(",")], [int(s) for s in args.kv.split(",")])
+                 if ("window" if c.window else "nomask") in masks]
+        args.compile_backend = args.compile_backend or "inductor"
+        out_dir = Path(args.out) if args.out else RESULTS_DIR
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    bandwidth = copy_bandwidth(device)
+    results = []
+    for case in cases:
+        results += run_case(case, args, device, dtype, bandwidth)
+    report = {
+        "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/bench_decode.py", *(argv if argv is not None else sys.argv[1:])]),
+        "copy_bandwidth_Bps": bandwidth, "results": results,
+    }
+    report["markdown"] = markdown(results, bandwidth, gpu)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"decode-{gpu.lower().replace(' ', '-')}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (out_dir / f"{stem}.md").write_text(report["markdown"])
+    print(report["markdown"])
+    return report
+
+
+if __name__ == "__main__":
+    main()
