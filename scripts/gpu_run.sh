@@ -11,11 +11,19 @@ TESTS=${1:-tests}
 BENCH=${2:---quick}
 TEST_BUDGET=${3:-360}
 BENCH_BUDGET=${4:-200}
+WORKERS=${WORKERS:-8}
+export FLEXATTN_FAIL_LOG="$OUT/failures.log"
+PARALLEL=""
+# Carried wheels (pytest-xdist): compiling kernels is CPU-bound, so tests run in parallel.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  PARALLEL="-n $WORKERS"
+fi
 {
   nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
-timeout "$TEST_BUDGET" python3 -m pytest $TESTS -q -p no:cacheprovider -rf --durations=10 >"$OUT/tests.log" 2>&1
+timeout "$TEST_BUDGET" python3 -m pytest $TESTS $PARALLEL -q -p no:cacheprovider -rf --durations=10 >"$OUT/tests.log" 2>&1
 echo "pytest exit: $?" >>"$OUT/tests.log"
 if [ -n "$BENCH" ] && [ "$BENCH" != "none" ]; then
   timeout "$BENCH_BUDGET" python3 bench/bench_attention.py $BENCH --out "$OUT" >"$OUT/bench.log" 2>&1
@@ -23,5 +31,6 @@ if [ -n "$BENCH" ] && [ "$BENCH" != "none" ]; then
 fi
 echo "===== tests (failures and summary)"
 grep -E "^(FAILED|ERROR)|passed|failed|pytest exit" "$OUT/tests.log" | tail -25
+grep "^=====" "$OUT/failures.log" 2>/dev/null | head -40
 echo "===== bench"
 tail -30 "$OUT/bench.log" 2>/dev/null

@@ -57,3 +57,12 @@ def inductor_runs_flexattn_kernels():
         patches["cpu_backend"] = "triton"
     with torch._inductor.config.patch(**patches):
         yield
+
+
+def pytest_runtest_logreport(report):
+    """With FLEXATTN_FAIL_LOG set, append each failure's report there as it happens (a
+    run cut off by a time limit still leaves its failures behind)."""
+    path = os.environ.get("FLEXATTN_FAIL_LOG")
+    if path and report.failed:
+        with open(path, "a") as log:
+            log.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
