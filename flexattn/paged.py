@@ -92,10 +92,12 @@ class PagedKVCache:
 
     def pool_positions(self, slots: Tensor, positions: Tensor) -> Tensor:
         """Pool positions of logical ``positions`` (B, L) of the sequences in ``slots`` (B,)."""
-        pages = self.page_table[slots.long()[:, None], (positions // self.page_size).long()]
+        table_device = self.page_table.device
+        pages = self.page_table[slots.long().to(table_device)[:, None],
+                                (positions // self.page_size).long().to(table_device)]
         if bool((pages < 0).any()):
             raise RuntimeError("flexattn: PagedKVCache positions beyond a slot's reserved pages; reserve first")
-        return pages.long() * self.page_size + positions.long() % self.page_size
+        return pages.long().to(positions.device) * self.page_size + positions.long() % self.page_size
 
     def append(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
         """Write k, v (B, Hkv, L, D) at logical ``positions`` (B, L) of ``slots`` (B,) into

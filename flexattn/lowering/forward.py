@@ -192,6 +192,7 @@ def forward_specialisations(
         "HAS_FULL_BLOCKS": has_full_blocks,
         "HAS_SCORE_MOD": has_score_mod,
         "FLOAT32_PRECISION": float32_precision(query.get_device(), query.get_dtype()),
+        "FLOAT64_ACC": query.get_dtype() == torch.float64,
     }
     spec.update(read_bool_options(kernel_options))
     return spec
