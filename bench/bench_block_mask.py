@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sequence lengths")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variant names")
-    parser.add_argument("--out", type=Path, default=None, help="JSON output path")
+    parser.add_argument("--out", type=Path, default=None, help="JSON output path, or a folder to write block_mask_<device>.json in")
     options = parser.parse_args()
 
     device = torch.device(options.device)
@@ -192,7 +192,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
 
-    out = options.out or RESULTS_DIR / f"block_mask_{device.type}.json"
+    out = options.out or RESULTS_DIR
+    if out.is_dir() or out.suffix != ".json":
+        out = out / f"block_mask_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "create_block_mask",

@@ -1,7 +1,8 @@
 """Capture: make_fx traces the operator into subgraphs; torch.compile captures whole.
 
-Runs with Dynamo's ``eager`` and ``aot_eager`` backends (no kernels), so it tests the
-operator's tracing paths alone; the Inductor backend is covered by the lowering tests.
+Mostly with Dynamo's ``eager`` and ``aot_eager`` backends (no kernels), so it tests the
+operator's tracing paths alone; the one-frame model also runs under ``inductor`` (the
+fused kernels on CUDA, the lowered dense path on CPU).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_make_fx_traces_mods_into_subgraphs():
     torch.testing.assert_close(out, fn(q, k, v, slopes)[0])
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_compile_one_frame_several_calls(backend):
     """Closures over tensors, Python scalars and other mods; and/or masks; one frame."""
     B, H, L, S, E = 2, 4, 48, 48, 16

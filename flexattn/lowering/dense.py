@@ -113,7 +113,12 @@ def _example(node) -> Any:
     if isinstance(node, (sympy.Expr, int)):
         return _static(node)
     sizes = [_static(s) for s in node.get_size()]
-    strides = [_static(s) for s in node.get_stride()]
+    try:
+        strides = [_static(s) for s in node.get_stride()]
+    except NotImplementedError:
+        # Views such as ExpandView have no fixed strides yet; the trace only needs a
+        # tensor of the right size and dtype.
+        strides = list(torch.empty(sizes, device="meta").stride())
     with V.fake_mode:
         return torch.empty_strided(sizes, strides, dtype=node.get_dtype(), device=node.get_device())
 
