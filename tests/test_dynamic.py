@@ -37,3 +37,29 @@ def test_lengths_options_and_head_dims_change_between_calls():
     for E in (16, 32):
         q, k, v = (torch.randn(2, 2, L, E, device=DEVICE) for _ in range(3))
         _check(compiled, q, k, v, bm)
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param("dense", marks=pytest.mark.skipif(DEVICE != "cpu", reason="the dense path is the CPU one")),
+    pytest.param("template", marks=pytest.mark.xfail(
+        reason="known bug: Dynamo's 0-d CPU float input reaches the Triton template as a Python "
+               "scalar, which the kernel tries to load; needs a device copy in the lowering")),
+])
+def test_captured_float_that_changes_between_calls(path):
+    """After a recompile Dynamo passes a closed-over float (the soft-cap) as a 0-d
+    tensor read with .item(); the kernels read the tensor instead, forward and backward."""
+    if path == "dense":
+        torch._inductor.config.cpu_backend = "cpp"  # undone by the fixture's config patch
+    compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+    L = 128 if DEVICE == "cuda" else 32
+    bm = flexattn.create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=16)
+    for cap in (30.0, 20.0, 10.0):
+        q, k, v = (torch.randn(1, 2, L, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+        out = compiled(q, k, v, mods.tanh_softcap(cap), bm)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = flexattn.flex_attention(q64, k64, v64, mods.tanh_softcap(cap), bm)
+        ref_grads = torch.autograd.grad(ref.sum(), (q64, k64, v64))
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)

@@ -73,6 +73,9 @@ def lower_flex_attention_backward(
     block_mask, scale, kernel_options, score_mod_buffers=(), mask_mod_buffers=(),
 ):
     """The lowering registered for ``flexattn._hop.flex_attention_backward_hop``."""
+    from .subgraph import inline_scalar_items
+
+    inline_scalar_items(fw_graph, joint_graph, block_mask[-1])
     device = query.get_device()
     if use_triton_template(device):
         return lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumexp,

@@ -83,6 +83,9 @@ def lower_flex_attention(
     score_mod_buffers=(), mask_mod_buffers=(),
 ):
     """The lowering registered for ``flexattn._hop.flex_attention_hop``."""
+    from .subgraph import inline_scalar_items
+
+    inline_scalar_items(score_mod, block_mask[-1])
     device = query.get_device()
     if use_triton_template(device):
         # Short queries (decoding) go to the split-KV decode kernel: lowering/decode.py.

@@ -106,3 +106,31 @@ def is_identity_score_mod(graph_module: torch.fx.GraphModule) -> bool:
     if isinstance(result, (list, tuple)) and len(result) == 1:
         result = result[0]
     return result is placeholders[0]
+
+
+def inline_scalar_items(*subgraphs) -> None:
+    """Let mods read captured Python floats as 0-d tensors, in place.
+
+    After a recompile Dynamo passes a float that a mod closes over (a soft-cap, a
+    temperature) as a 0-d float64 graph input that the mod's graph turns into a Python
+    scalar with ``.item()``. The kernels cannot take a symbolic scalar, but they take the
+    0-d tensor itself: each ``item`` of a 0-d input is replaced by the input, which
+    every elementwise op accepts in its place (a 0-d tensor does not change the result
+    dtype of an op on a dimensioned one).
+    """
+    for subgraph in subgraphs:
+        gm = getattr(subgraph, "graph_module", subgraph)
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
+                source = node.args[0]
+                example = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+                if isinstance(example, torch.Tensor) and example.dim() == 0:
+                    node.replace_all_uses_with(source)
+                    gm.graph.erase_node(node)
+                    changed = True
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
