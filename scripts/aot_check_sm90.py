@@ -1,0 +1,39 @@
+"""Compile Inductor-generated Triton template kernels for Hopper (sm90) without a GPU.
+
+Triton's passes up to PTX run on any machine, so compiler failures that only the GPU
+image's Triton shows (e.g. Triton 3.6's loop scheduler) can be found here:
+
+    pip download --no-deps triton==3.6.0 -d /tmp/tr36dl && unzip -q -d /tmp/tr36 /tmp/tr36dl/triton-3.6.0*.whl
+    # write Inductor's output code (torch._inductor.utils.run_and_get_code, on CPU with
+    # cpu_backend="triton" and TRITON_INTERPRET=1; patch flexattn.lowering.configs.gpu_generation
+    # to return "sm90" so the GPU's tile configs are chosen) to files, then:
+    PYTHONPATH=/tmp/tr36 python scripts/aot_check_sm90.py out_code_*.py
+
+Every pointer argument gets 16-byte divisibility, as CUDA allocations do.
+"""
+import sys, re, importlib.util
+import triton
+from triton.backends.compiler import GPUTarget
+print("triton", triton.__version__)
+for path in sys.argv[1:]:
+    src = open(path).read()
+    for m in re.finditer(r"async_compile\.triton\('(\w+)', '''\n(.*?)''', device_str='\w+'\)", src, re.S):
+        name, ksrc = m.group(1), m.group(2)
+        if "tem" not in name:
+            continue
+        meta = re.search(r"triton_meta=(\{.*?\}),\ninductor_meta", ksrc, re.S).group(1)
+        sig = eval(re.search(r"'signature': (\{.*?\})", meta).group(1))
+        warps = int(re.search(r"num_warps=(\d+)", ksrc).group(1)); stages = int(re.search(r"num_stages=(\d+)", ksrc).group(1))
+        body = re.sub(r"@triton_heuristics\.template\((.|\n)*?\)\n@triton\.jit", "@triton.jit", ksrc, count=1)
+        body = body.replace("from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math", "from triton.language.extra import libdevice\nfrom triton.language import math as tl_math")
+        body = re.sub(r"from torch\._inductor.*\n", "", body)
+        mp = f"/tmp/kmod_{name}.py"; open(mp, "w").write(body)
+        spec = importlib.util.spec_from_file_location(f"kmod_{name}", mp); mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+        fn = getattr(mod, name)
+        ptr_idx = [i for i, a in enumerate(fn.arg_names) if str(sig.get(a, "")).startswith("*")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_idx}
+        try:
+            k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+            print("OK  ", path, name, warps, stages)
+        except Exception as e:
+            print("FAIL", path, name, warps, stages, str(e).splitlines()[-1][:200])
