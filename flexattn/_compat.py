@@ -9,14 +9,11 @@ Sections: HOP and tracing utilities, Dynamo internals, Inductor/Triton plumbing.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import types
 from typing import Any
 
 import torch
-
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 # --------------------------------------------------------------------------------------
 # HOP and tracing utilities
@@ -133,15 +130,6 @@ def enable_triton_interpreter() -> None:
     triton_utils.triton_backend = lambda: INTERPRETER_BACKEND_TAG
 
 
-@contextlib.contextmanager
-def inductor_cpu_triton():
-    """Within the block Inductor generates Triton (not C++) for CPU tensors."""
-    import torch._inductor.config as inductor_config
-
-    with inductor_config.patch(cpu_backend="triton"):
-        yield
-
-
 def inductor_cpu_backend() -> str:
     import torch._inductor.config as inductor_config
 
@@ -153,7 +141,6 @@ __all__ = [
     "FakeTensorMode",
     "HigherOrderOperator",
     "ProxyTorchDispatchMode",
-    "TORCH_VERSION",
     "build_variable",
     "disable_functional_mode",
     "disable_proxy_modes_tracing",
@@ -161,7 +148,6 @@ __all__ = [
     "enable_triton_interpreter",
     "hop_init_kwargs",
     "inductor_cpu_backend",
-    "inductor_cpu_triton",
     "make_fx",
     "reenable_autograd",
     "reenter_make_fx",

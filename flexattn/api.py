@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import math
 import pathlib
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from torch import Tensor
 
 from . import _compat
 from ._hop import flex_attention_hop, identity_score_mod
-from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, noop_mask
+from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, noop_mask
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -150,22 +149,12 @@ def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
             raise ValueError(f"flexattn: {name} must be between 1 and {MAX_HEAD_DIM}, got {d}")
 
 
-def _positional_arity(fn: Callable) -> int | None:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
-        return None
-    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
-
-
 def _check_mod(name: str, fn: Any, arity: int, signature: str) -> None:
     if not callable(fn):
         raise TypeError(f"flexattn: {name} must be callable {signature}, got {type(fn).__name__}")
     if torch.compiler.is_compiling():
         return  # Dynamo checks the call when it speculates the mod
-    n = _positional_arity(fn)
+    n = _required_positional_count(fn)
     if n is not None and n != arity:
         raise TypeError(f"flexattn: {name} must take {arity} arguments {signature}, but it takes {n}")
 
