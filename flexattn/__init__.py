@@ -16,6 +16,7 @@ from .block_mask import (
     or_masks,
 )
 from . import mods
+from .paged import PagedKVCache
 
 _dynamo_capture.register()
 lowering.register()
@@ -26,6 +27,7 @@ __all__ = [
     "AuxOutput",
     "AuxRequest",
     "BlockMask",
+    "PagedKVCache",
     "and_masks",
     "create_block_mask",
     "create_mask",

@@ -183,13 +183,19 @@ def autotune_select_node(name, choices, input_nodes, layout, input_gen_fns=None)
 
 class _InterpreterLibdevice:
     """Stand-in for ``triton_helpers.libdevice`` under the Triton interpreter, which
-    cannot run libdevice's extern functions: the few Inductor emits for common mods are
-    rebuilt from ``tl`` ops the interpreter runs; everything else is the real module."""
+    cannot run libdevice's extern functions (they return None there): each function is
+    answered by the ``tl.math`` / ``tl`` op of the same name where one exists (exp,
+    rsqrt, erf, ...), tanh is rebuilt from exp, and anything else is the real module."""
 
     def __init__(self, real):
         self._real = real
 
     def __getattr__(self, name):
+        import triton.language as tl
+
+        for namespace in (tl.math, tl):
+            if hasattr(namespace, name):
+                return getattr(namespace, name)
         return getattr(self._real, name)
 
     @staticmethod

@@ -1,182 +1,427 @@
 """A paged KV cache: sequences of different lengths share one pool of fixed-size pages.
 
-Storage: ``k_cache`` / ``v_cache`` of shape (1, Hkv, n_pages * page_size, D), the pool.
-Page ``p`` holds the tokens [p * page_size, (p + 1) * page_size) of the pool. Each batch
-slot (a sequence being served) owns a list of pages: its *page table* maps the slot's
-logical page i (tokens [i * page_size, (i + 1) * page_size) of the sequence) to a
-physical page. ``PagedKVCache`` keeps the page tables and the free list:
+Storage is two *pool* tensors, ``k_cache`` and ``v_cache`` of shape
+(1, Hkv, n_pages * page_size, D) (``PagedKVCache.allocate`` makes them). Page ``p`` holds
+the pool positions [p * page_size, (p + 1) * page_size). Each batch *slot* (one sequence
+being served) owns a list of pages: its *page table* maps the slot's logical page i
+(tokens [i * page_size, (i + 1) * page_size) of the sequence) to a physical page.
+``PagedKVCache`` keeps the page tables and the free list:
 
-* ``reserve(slot, length)``: make the slot hold at least ``length`` tokens;
-* ``append(slots, positions, k, v, k_cache, v_cache)``: write new tokens at their
-  logical positions;
-* ``free(slot)``: give the slot's pages back.
+* ``reserve(slot, length)``: give the slot pages until it can hold ``length`` tokens;
+* ``append(slots, positions, k, v, k_cache, v_cache)``: write new tokens at their logical
+  positions, in place;
+* ``free(slot)``: give the slot's pages back (they are handed out again later; their old
+  contents stay until overwritten, and are never visible to another slot).
 
 Attention then runs directly on the pool, without gathering a sequence's pages into a
-contiguous tensor: ``block_mask_on_pages`` turns a BlockMask built in logical positions
-(KV block size = page size) into one over the pool's positions, whose block lists name
-physical pages, and ``mask_mod_on_pages`` / ``score_mod_on_pages`` wrap mods written in
-logical positions so that they see the logical kv_idx (a pool position the slot does not
-own is masked out). The query's batch index b is the position in ``slots``.
+contiguous tensor. Masks and score mods are written in *logical* positions (a token's
+index in its own sequence) and translated:
+
+* ``block_mask_on_pages(block_mask, slots)``: a BlockMask over logical positions (KV block
+  size = page size) -> one over the pool, whose block lists name physical pages;
+* ``mask_mod_on_pages`` / ``score_mod_on_pages``: mods in logical positions -> mods over
+  pool positions (they see the logical kv_idx; a pool position the slot does not own is
+  masked out).
+
+The query's batch index ``b`` is the position in ``slots``; ``q_idx`` is the query's own
+row index, as always in flex_attention (for decoding, the mods add the sequence's offset
+themselves, e.g. from a captured tensor of lengths).
+
+Every method takes and keeps tensors on the cache's device and reads the page tables as
+tensors, so a decode step that calls them under ``torch.compile`` is compiled once and
+reused while only tensor *values* change (slots, positions, page tables, lengths).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from .block_mask import BlockMask
+from .block_mask import BlockMask, _required_positional_count
 
 __all__ = ["PagedKVCache"]
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _lookup(table: Tensor, *indices: Tensor) -> Tensor:
+    """``table[indices]`` for 0-d index tensors as one ``aten.index`` op (traceable by
+    Dynamo, make_fx and vmap without turning an index into a Python int)."""
+    return torch.ops.aten.index.Tensor(table, list(indices))
+
+
+def _canonical_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _values_checked(validate: bool) -> bool:
+    """Value checks read tensor contents (a device sync); under torch.compile the values
+    are not known while tracing, so they are skipped there."""
+    return bool(validate) and not torch.compiler.is_compiling()
 
 
 class PagedKVCache:
     """Page tables and free list of a pool of ``n_pages`` pages of ``page_size`` tokens,
-    for up to ``max_slots`` sequences.
+    shared by up to ``max_slots`` sequences.
 
-    Tensors (on ``device``): ``page_table`` (max_slots, n_pages) int32, logical page ->
-    physical page (-1: none); ``owner_page`` (max_slots, n_pages) int32, physical page ->
-    the slot's logical page (-1: not the slot's).
+    Args:
+        n_pages: pages in the pool; the pool tensors hold ``n_pages * page_size`` tokens.
+        page_size: tokens per page. It must equal the KV block size of the BlockMasks
+            used with the cache (``BLOCK_SIZE=(q_block, page_size)``); the kernels need a
+            multiple of 16, and 128 (the default block size) is a good choice on GPUs.
+        max_slots: how many sequences can hold pages at once (slots 0..max_slots-1).
+        device: where the page tables live; the pool tensors, slots, positions and
+            BlockMasks passed in must be on the same device.
+
+    Tensors (on ``device``, updated in place, so captured references stay valid):
+
+    * ``page_table`` (max_slots, n_pages) int32: logical page -> physical page, -1: none;
+    * ``owner_page`` (max_slots, n_pages) int32: physical page -> the slot's logical
+      page, -1: not the slot's.
     """
 
     def __init__(self, n_pages: int, page_size: int, max_slots: int, device: torch.device | str = "cpu"):
         for name, value in (("n_pages", n_pages), ("page_size", page_size), ("max_slots", max_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"flexattn: PagedKVCache {name} must be a positive int, got {value!r}")
+        try:
+            self.device = _canonical_device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"flexattn: PagedKVCache device must name a torch device, got {device!r}") from error
         self.n_pages, self.page_size, self.max_slots = n_pages, page_size, max_slots
-        self.device = torch.device(device)
         self.page_table = torch.full((max_slots, n_pages), -1, dtype=torch.int32, device=self.device)
         self.owner_page = torch.full((max_slots, n_pages), -1, dtype=torch.int32, device=self.device)
         self._pages: list[list[int]] = [[] for _ in range(max_slots)]
         self._free: list[int] = list(range(n_pages - 1, -1, -1))  # pop() hands out page 0 first
 
+    def __repr__(self) -> str:
+        used = self.n_pages - len(self._free)
+        busy = sum(1 for pages in self._pages if pages)
+        return (f"PagedKVCache(n_pages={self.n_pages}, page_size={self.page_size}, "
+                f"max_slots={self.max_slots}, device={self.device}, pages_in_use={used}, slots_in_use={busy})")
+
+    # ----------------------------------------------------------------------------------
+    # Bookkeeping (host side)
+    # ----------------------------------------------------------------------------------
     @property
     def pool_length(self) -> int:
-        """Token positions in the pool: the KV length attention sees."""
+        """Token positions in the pool: the KV length attention on the pool sees."""
         return self.n_pages * self.page_size
 
     def capacity(self, slot: int) -> int:
-        """Tokens the slot can hold now."""
+        """Tokens the slot can hold now (its pages times the page size)."""
         return len(self._pages[self._check_slot(slot)]) * self.page_size
 
+    def pages(self, slot: int) -> list[int]:
+        """The slot's physical pages, in logical order."""
+        return list(self._pages[self._check_slot(slot)])
+
     def free_pages(self) -> int:
+        """Pages not owned by any slot."""
         return len(self._free)
 
-    def _check_slot(self, slot: int) -> int:
+    def _check_slot(self, slot: int, argument: str = "slot") -> int:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
-            raise ValueError(f"flexattn: slot must be an int in [0, {self.max_slots}), got {slot!r}")
+            raise ValueError(f"flexattn: PagedKVCache {argument} must be an int in [0, {self.max_slots}), "
+                             f"got {slot!r}")
         return slot
 
     def reserve(self, slot: int, length: int) -> None:
-        """Give ``slot`` pages until it holds at least ``length`` tokens."""
-        pages = self._pages[self._check_slot(slot)]
+        """Give ``slot`` pages until it can hold at least ``length`` tokens (pages it
+        already has are kept; a smaller length is a no-op).
+
+        Raises RuntimeError when the pool has too few free pages (nothing is changed).
+        """
+        self._check_slot(slot)
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"flexattn: PagedKVCache.reserve length must be a non-negative int, got {length!r}")
+        pages = self._pages[slot]
         needed = -(-length // self.page_size) - len(pages)
+        if needed <= 0:
+            return
         if needed > len(self._free):
             raise RuntimeError(
-                f"flexattn: PagedKVCache is out of pages: slot {slot} needs {needed} more for "
-                f"{length} tokens, {len(self._free)} free of {self.n_pages}")
-        for _ in range(max(0, needed)):
-            physical = self._free.pop()
-            self.page_table[slot, len(pages)] = physical
-            self.owner_page[slot, physical] = len(pages)
-            pages.append(physical)
+                f"flexattn: PagedKVCache is out of pages: slot {slot} needs {needed} more page(s) of "
+                f"{self.page_size} tokens for length {length}, {len(self._free)} free of {self.n_pages}")
+        new = [self._free.pop() for _ in range(needed)]
+        first = len(pages)
+        pages.extend(new)
+        logical = torch.arange(first, first + needed, dtype=torch.int32)
+        physical = torch.tensor(new, dtype=torch.int64)
+        self.page_table[slot, first:first + needed] = torch.tensor(new, dtype=torch.int32).to(self.device)
+        self.owner_page[slot].index_copy_(0, physical.to(self.device), logical.to(self.device))
 
     def free(self, slot: int) -> None:
-        """Return all pages of ``slot`` to the pool."""
+        """Return all pages of ``slot`` to the pool. Their contents stay until another
+        slot overwrites them; no other slot can see them (its page tables do not name
+        them, and attention masks pool positions a slot does not own)."""
         pages = self._pages[self._check_slot(slot)]
         self._free.extend(reversed(pages))
         self.page_table[slot] = -1
         self.owner_page[slot] = -1
         pages.clear()
 
-    def pool_positions(self, slots: Tensor, positions: Tensor) -> Tensor:
-        """Pool positions of logical ``positions`` (B, L) of the sequences in ``slots`` (B,)."""
-        table_device = self.page_table.device
-        pages = self.page_table[slots.long().to(table_device)[:, None],
-                                (positions // self.page_size).long().to(table_device)]
-        if bool((pages < 0).any()):
-            raise RuntimeError("flexattn: PagedKVCache positions beyond a slot's reserved pages; reserve first")
-        return pages.long().to(positions.device) * self.page_size + positions.long() % self.page_size
+    def allocate(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
+                 value_head_dim: int | None = None) -> tuple[Tensor, Tensor]:
+        """Zero-filled pool tensors ``(k_cache, v_cache)`` of shape
+        (1, num_kv_heads, pool_length, head_dim) (value_head_dim for v_cache) on the
+        cache's device: the layout ``append`` writes and ``flex_attention`` reads."""
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("value_head_dim", value_head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"flexattn: PagedKVCache.allocate {name} must be a positive int, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"flexattn: PagedKVCache.allocate dtype must be a floating torch.dtype, got {dtype!r}")
+        k_cache = torch.zeros(1, num_kv_heads, self.pool_length, head_dim, dtype=dtype, device=self.device)
+        v_cache = torch.zeros(1, num_kv_heads, self.pool_length, value_head_dim, dtype=dtype, device=self.device)
+        return k_cache, v_cache
 
-    def append(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
-        """Write k, v (B, Hkv, L, D) at logical ``positions`` (B, L) of ``slots`` (B,) into
-        the pool tensors ``k_cache``, ``v_cache`` (1, Hkv, pool_length, D), in place."""
-        where = self.pool_positions(slots, positions)           # (B, L)
-        B, H, L, D = k.shape
-        flat = where.reshape(-1)
-        k_cache[0, :, flat] = k.permute(1, 0, 2, 3).reshape(H, B * L, D)
-        v_cache[0, :, flat] = v.permute(1, 0, 2, 3).reshape(H, B * L, v.shape[-1])
+    # ----------------------------------------------------------------------------------
+    # Argument checks
+    # ----------------------------------------------------------------------------------
+    def _check_device(self, argument: str, t: Tensor) -> None:
+        if t.device != self.device:
+            raise ValueError(f"flexattn: PagedKVCache {argument} must be on the cache's device {self.device}, "
+                             f"got {t.device}")
+
+    def _as_slots(self, slots: Tensor | Sequence[int], validate: bool, argument: str = "slots") -> Tensor:
+        """``slots`` as a 1-D integer tensor on the cache's device (a list of ints is
+        converted); with validate, every slot in range and none twice."""
+        if not isinstance(slots, Tensor):
+            if not isinstance(slots, (list, tuple)) or not all(
+                    isinstance(s, int) and not isinstance(s, bool) for s in slots):
+                raise TypeError(f"flexattn: PagedKVCache {argument} must be a 1-D integer tensor or a list of "
+                                f"ints, got {type(slots).__name__}")
+            slots = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        if slots.dim() != 1 or slots.numel() == 0:
+            raise ValueError(f"flexattn: PagedKVCache {argument} must be a non-empty 1-D tensor (B,), "
+                             f"got shape {tuple(slots.shape)}")
+        if slots.dtype not in _INT_DTYPES:
+            raise TypeError(f"flexattn: PagedKVCache {argument} must have an integer dtype, got {slots.dtype}")
+        self._check_device(argument, slots)
+        if _values_checked(validate):
+            bad = (slots < 0) | (slots >= self.max_slots)
+            if bool(bad.any()):
+                raise ValueError(f"flexattn: PagedKVCache {argument} must hold slots in [0, {self.max_slots}), "
+                                 f"got {slots.tolist()}")
+            if slots.unique().numel() != slots.numel():
+                raise ValueError(f"flexattn: PagedKVCache {argument} must not name a slot twice, "
+                                 f"got {slots.tolist()}")
+        return slots
+
+    def _check_positions(self, positions: Tensor, batch: int) -> None:
+        if not isinstance(positions, Tensor):
+            raise TypeError(f"flexattn: PagedKVCache positions must be a (B, L) integer tensor, "
+                            f"got {type(positions).__name__}")
+        if positions.dim() != 2 or positions.shape[0] != batch:
+            raise ValueError(f"flexattn: PagedKVCache positions must have shape (B, L) with B = len(slots) = "
+                             f"{batch}, got {tuple(positions.shape)}")
+        if positions.dtype not in _INT_DTYPES:
+            raise TypeError(f"flexattn: PagedKVCache positions must have an integer dtype, got {positions.dtype}")
+        self._check_device("positions", positions)
+
+    def _check_pool(self, k_cache: Tensor, v_cache: Tensor) -> None:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"flexattn: PagedKVCache {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != self.pool_length:
+                raise ValueError(
+                    f"flexattn: PagedKVCache {name} must have shape (1, Hkv, pool_length={self.pool_length}, D) "
+                    f"(see PagedKVCache.allocate), got {tuple(t.shape)}")
+            self._check_device(name, t)
+        if k_cache.shape[1] != v_cache.shape[1]:
+            raise ValueError(f"flexattn: PagedKVCache k_cache and v_cache must have the same number of heads, "
+                             f"got k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
+
+    def _check_new_tokens(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, B: int, L: int) -> None:
+        for name, t, pool in (("k", k, k_cache), ("v", v, v_cache)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"flexattn: PagedKVCache {name} must be a torch.Tensor, got {type(t).__name__}")
+            expected = (B, pool.shape[1], L, pool.shape[3])
+            if tuple(t.shape) != expected:
+                raise ValueError(
+                    f"flexattn: PagedKVCache {name} must have shape (B, Hkv, L, D) = {expected} "
+                    f"(B = len(slots), L = positions.shape[1], Hkv and D from {name}_cache), got {tuple(t.shape)}")
+            if t.dtype != pool.dtype:
+                raise TypeError(f"flexattn: PagedKVCache {name} must have {name}_cache's dtype {pool.dtype}, "
+                                f"got {t.dtype}")
+            self._check_device(name, t)
+
+    # ----------------------------------------------------------------------------------
+    # Writing tokens
+    # ----------------------------------------------------------------------------------
+    def pool_positions(self, slots: Tensor | Sequence[int], positions: Tensor, *, validate: bool = True) -> Tensor:
+        """Pool positions (B, L) int64 of the logical ``positions`` (B, L) of the
+        sequences in ``slots`` (B,).
+
+        With ``validate`` (the default; skipped under torch.compile) a position that is
+        negative or beyond its slot's reserved pages raises ValueError. Without it the
+        caller guarantees it: such a position would map into pool page 0, whoever owns it.
+        """
+        slots = self._as_slots(slots, validate)
+        self._check_positions(positions, slots.shape[0])
+        positions = positions.long()
+        logical_page = torch.div(positions, self.page_size, rounding_mode="floor")
+        in_table = (positions >= 0) & (logical_page < self.n_pages)
+        page = self.page_table[slots.long()[:, None], logical_page.clamp(0, self.n_pages - 1)]
+        if _values_checked(validate):
+            bad = ~in_table | (page < 0)
+            if bool(bad.any()):
+                row, col = (int(i) for i in bad.nonzero()[0])
+                slot = int(slots[row])
+                raise ValueError(
+                    f"flexattn: PagedKVCache positions[{row}, {col}] = {int(positions[row, col])} is outside "
+                    f"slot {slot}'s reserved pages (capacity {self.capacity(slot)} tokens); call "
+                    f"reserve({slot}, length) first")
+        page = torch.where(in_table, page, 0).clamp(min=0).long()
+        return page * self.page_size + positions.remainder(self.page_size)
+
+    def append(self, slots: Tensor | Sequence[int], positions: Tensor, k: Tensor, v: Tensor,
+               k_cache: Tensor, v_cache: Tensor, *, validate: bool = True) -> None:
+        """Write new keys and values into the pool, in place.
+
+        Args:
+            slots: (B,) the slots the new tokens belong to (each at most once).
+            positions: (B, L) their logical positions in their sequences (each at most once
+                per slot), within the slot's reserved pages.
+            k, v: (B, Hkv, L, D) and (B, Hkv, L, Dv) in the pool's dtype.
+            k_cache, v_cache: the pool tensors (1, Hkv, pool_length, D / Dv).
+            validate: check slot and position values (a device sync; skipped under
+                torch.compile, where shapes, dtypes and devices are still checked).
+        """
+        self._check_pool(k_cache, v_cache)
+        slots = self._as_slots(slots, validate)
+        self._check_positions(positions, slots.shape[0])
+        B, L = positions.shape
+        self._check_new_tokens(k, v, k_cache, v_cache, B, L)
+        where = self.pool_positions(slots, positions, validate=validate).reshape(-1)
+        if _values_checked(validate) and where.unique().numel() != where.numel():
+            raise ValueError(f"flexattn: PagedKVCache positions must not repeat a position within a slot, "
+                             f"got {positions.tolist()}")
+        # An index_put on the whole pool tensor: under torch.compile Inductor writes it in
+        # place (no copy of the pool), and CUDA graphs accept it when the pool tensors are
+        # marked static (torch._dynamo.mark_static_address).
+        H = k.shape[1]
+        k_cache[:, :, where] = k.transpose(0, 1).reshape(1, H, B * L, k.shape[-1])
+        v_cache[:, :, where] = v.transpose(0, 1).reshape(1, H, B * L, v.shape[-1])
 
     # ----------------------------------------------------------------------------------
     # Attention on the pool
     # ----------------------------------------------------------------------------------
-    def mask_mod_on_pages(self, mask_mod: Callable, slots: Tensor) -> Callable:
-        """``mask_mod`` (logical positions) as a mask over pool positions for the batch
-        ``slots``: kv_idx is translated back to the slot's logical position; pool
-        positions the slot does not own are masked."""
+    def mask_mod_on_pages(self, mask_mod: Callable, slots: Tensor | Sequence[int], *,
+                          validate: bool = True) -> Callable:
+        """``mask_mod(b, h, q_idx, kv_idx)`` written in logical positions, as a mask over
+        pool positions for the batch ``slots``: kv_idx is translated back to the slot's
+        logical position; pool positions the slot does not own are masked out.
+
+        The returned mod reads the cache's ``owner_page`` and ``slots`` as captured
+        tensors, so later page changes are seen without rebuilding it.
+        """
+        if not callable(mask_mod) or _required_positional_count(mask_mod) not in (4, None):
+            raise TypeError(f"flexattn: PagedKVCache mask_mod must be a callable (b, h, q_idx, kv_idx), "
+                            f"got {mask_mod!r}")
+        slots = self._as_slots(slots, validate)
         owner_page, page_size = self.owner_page, self.page_size
 
         def paged_mask_mod(b, h, q_idx, kv_idx):
-            logical_page = owner_page[slots[b], kv_idx // page_size]
+            logical_page = _lookup(owner_page, _lookup(slots, b), kv_idx // page_size)
             logical = logical_page * page_size + kv_idx % page_size
             return (logical_page >= 0) & mask_mod(b, h, q_idx, logical.clamp(min=0))
 
         paged_mask_mod.__name__ = f"paged_{getattr(mask_mod, '__name__', 'mask_mod')}"
         return paged_mask_mod
 
-    def score_mod_on_pages(self, score_mod: Callable, slots: Tensor) -> Callable:
-        """``score_mod`` (logical positions) applied at pool positions for ``slots``."""
+    def score_mod_on_pages(self, score_mod: Callable, slots: Tensor | Sequence[int], *,
+                           validate: bool = True) -> Callable:
+        """``score_mod(score, b, h, q_idx, kv_idx)`` written in logical positions, applied
+        at pool positions for the batch ``slots`` (it sees the logical kv_idx)."""
+        if not callable(score_mod) or _required_positional_count(score_mod) not in (5, None):
+            raise TypeError(f"flexattn: PagedKVCache score_mod must be a callable (score, b, h, q_idx, kv_idx), "
+                            f"got {score_mod!r}")
+        slots = self._as_slots(slots, validate)
         owner_page, page_size = self.owner_page, self.page_size
 
         def paged_score_mod(score, b, h, q_idx, kv_idx):
-            logical_page = owner_page[slots[b], kv_idx // page_size]
+            logical_page = _lookup(owner_page, _lookup(slots, b), kv_idx // page_size)
             logical = logical_page.clamp(min=0) * page_size + kv_idx % page_size
             return score_mod(score, b, h, q_idx, logical)
 
         paged_score_mod.__name__ = f"paged_{getattr(score_mod, '__name__', 'score_mod')}"
         return paged_score_mod
 
-    def block_mask_on_pages(self, block_mask: BlockMask, slots: Tensor) -> BlockMask:
-        """A BlockMask over the pool for the sequences ``slots`` (B,), from one over
-        logical positions (batch 1 or B; its KV block size must be the page size).
+    def block_mask_on_pages(self, block_mask: BlockMask, slots: Tensor | Sequence[int], *,
+                            validate: bool = True) -> BlockMask:
+        """A BlockMask over the pool for the sequences ``slots`` (B,), from one built over
+        logical positions.
 
-        Block lists keep their order and counts; each logical block becomes the physical
-        page holding it. The mask_mod is wrapped by ``mask_mod_on_pages``.
+        ``block_mask`` has batch 1 or B, any heads, Q_LEN = the query length, KV_LEN up to
+        ``pool_length`` (typically the longest sequence), and KV block size equal to
+        ``page_size``: ``create_block_mask(mask_mod, B, None, L, max_len,
+        BLOCK_SIZE=(q_block, cache.page_size))``. Each listed logical block becomes the
+        physical page that holds it, in the same order, partial and full blocks alike;
+        a listed block beyond the slot's reserved pages holds no tokens and is dropped.
+        The mask_mod is wrapped by ``mask_mod_on_pages``.
+
+        The result always has ``n_pages`` columns and KV_LEN = ``pool_length``, whatever
+        the logical KV length, so that growing sequences keep its shapes (no recompile).
+        Its tensors are computed on the device with no sync; it can be built inside a
+        compiled function.
         """
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"flexattn: PagedKVCache block_mask must be a flexattn.BlockMask, "
+                            f"got {type(block_mask).__name__}")
         q_block, kv_block = block_mask.BLOCK_SIZE
         if kv_block != self.page_size:
             raise ValueError(
                 f"flexattn: the BlockMask's KV block size ({kv_block}) must equal the page size "
-                f"({self.page_size}) to run on the pages")
-        slots = slots.to(self.device)
+                f"({self.page_size}) to run on the pages; build it with BLOCK_SIZE=(q_block, {self.page_size})")
+        slots = self._as_slots(slots, validate)
         B = slots.shape[0]
+        if block_mask.kv_num_blocks.dim() != 3:
+            raise ValueError(f"flexattn: PagedKVCache block_mask must have (batch, heads) dims, got shape "
+                             f"{block_mask.shape}")
+        if block_mask.kv_num_blocks.shape[0] not in (1, B):
+            raise ValueError(f"flexattn: PagedKVCache block_mask must have batch 1 or len(slots) = {B}, "
+                             f"got {block_mask.kv_num_blocks.shape[0]}")
+        self._check_device("block_mask", block_mask.kv_num_blocks)
+        if block_mask.seq_lengths[1] > self.pool_length:
+            raise ValueError(f"flexattn: PagedKVCache block_mask's KV length {block_mask.seq_lengths[1]} exceeds "
+                             f"the pool's {self.pool_length} tokens; no sequence can be that long")
         tables = self.page_table[slots.long()]                   # (B, n_pages)
 
         def to_pages(num: Tensor | None, idx: Tensor | None):
             if num is None:
                 return None, None
             num = num.expand(B, *num.shape[1:])
-            idx = idx.expand(B, *idx.shape[1:])
-            logical = idx.long().clamp(max=self.n_pages - 1)
-            physical = torch.gather(tables[:, None, None, :].expand(*idx.shape[:3], self.n_pages), 3, logical)
-            # Listed blocks must be owned; padding after the listed prefix becomes page 0.
-            listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-            if bool(((physical < 0) & listed).any()):
-                raise RuntimeError(
-                    "flexattn: the BlockMask lists a KV block beyond a slot's reserved pages; reserve first")
-            physical = torch.where(listed, physical, 0).to(torch.int32)
-            width = self.n_pages
-            if physical.shape[-1] < width:
-                pad = torch.zeros(*physical.shape[:-1], width - physical.shape[-1], dtype=torch.int32,
-                                  device=physical.device)
-                physical = torch.cat([physical, pad], dim=-1)
-            return num.contiguous(), physical[..., :width].contiguous()
+            idx = idx.expand(B, *idx.shape[1:]).long()            # (B, H, QB, W) logical blocks
+            H, QB, W = idx.shape[1:]
+            listed = torch.arange(W, device=idx.device) < num[..., None]
+            physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, self.n_pages), 3,
+                                    idx.clamp(0, self.n_pages - 1))
+            keep = listed & (physical >= 0) & (idx < self.n_pages)
+            # Each row of the result is a permutation of the pages (the BlockMask layout):
+            # the kept pages first, in their listed order, then the others by page id.
+            # Sort keys: list position j for a kept page, n_pages + page id for the rest;
+            # entries not kept are scattered into a scratch column that is dropped.
+            pages = torch.arange(self.n_pages, device=idx.device)
+            key = (pages + self.n_pages).expand(B, H, QB, self.n_pages)
+            key = torch.cat([key, key.new_zeros(B, H, QB, 1)], dim=-1)
+            target = torch.where(keep, physical, self.n_pages)
+            position = torch.arange(W, device=idx.device).expand(B, H, QB, W)
+            key = key.scatter(-1, target, position)[..., :self.n_pages]
+            order = torch.argsort(key, dim=-1).to(torch.int32)
+            return keep.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()
 
         kv_num, kv_idx = to_pages(block_mask.kv_num_blocks, block_mask.kv_indices)
         full_num, full_idx = to_pages(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
         return BlockMask.from_kv_blocks(
             kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block),
-            mask_mod=self.mask_mod_on_pages(block_mask.mask_mod, slots),
+            mask_mod=self.mask_mod_on_pages(block_mask.mask_mod, slots, validate=False),
             seq_lengths=(block_mask.seq_lengths[0], self.pool_length),
         )

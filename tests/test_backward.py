@@ -325,9 +325,7 @@ def test_captured_tensors_every_index():
     B, H, n = 2, 2, scaled(40, 400)
 
     def make(gen):
-        # A 0-d capture reaches a CPU Triton kernel as a Python float (an Inductor CPU
-        # scalar), which the forward template cannot load; on CPU it is a 1-element table.
-        temperature = torch.tensor(0.7) if ON_CUDA else torch.tensor([0.7])
+        temperature = torch.tensor(0.7)
         bufs = [torch.randn(B, generator=gen), torch.randn(H, n, generator=gen),
                 torch.randn(n, generator=gen), temperature]
         bufs = [b.to(DEVICE) for b in bufs]
@@ -336,8 +334,7 @@ def test_captured_tensors_every_index():
             by_batch, by_head_pos, by_pos, temperature = b
 
             def score_mod(score, bi, h, q_idx, kv_idx):
-                t = temperature if ON_CUDA else temperature[bi * 0]
-                return (score * t + by_batch[bi] + by_head_pos[h, q_idx] * by_head_pos[h, kv_idx]
+                return (score * temperature + by_batch[bi] + by_head_pos[h, q_idx] * by_head_pos[h, kv_idx]
                         + by_pos[kv_idx])
 
             return score_mod, mods.causal_mask

@@ -41,9 +41,7 @@ def test_lengths_options_and_head_dims_change_between_calls():
 
 @pytest.mark.parametrize("path", [
     pytest.param("dense", marks=pytest.mark.skipif(DEVICE != "cpu", reason="the dense path is the CPU one")),
-    pytest.param("template", marks=pytest.mark.xfail(
-        reason="known bug: Dynamo's 0-d CPU float input reaches the Triton template as a Python "
-               "scalar, which the kernel tries to load; needs a device copy in the lowering")),
+    "template",
 ])
 def test_captured_float_that_changes_between_calls(path):
     """After a recompile Dynamo passes a closed-over float (the soft-cap) as a 0-d

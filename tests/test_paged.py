@@ -1,108 +1,405 @@
-"""The paged KV cache (flexattn/paged.py): page bookkeeping, and attention on the pool
-against the dense reference on each sequence's contiguous (logical) cache."""
+"""The paged KV cache (flexattn/paged.py): page bookkeeping, argument checks, attention on
+the pool against the dense reference on each sequence's contiguous (logical) cache, and
+per-step decoding under torch.compile without recompiles.
+
+Numerics as everywhere (tests/_numerics.py): golden = the float64 dense reference of
+each sequence on its own contiguous cache, ref = the same in the test dtype, and the
+paged run must satisfy ``err(paged, golden) <= 2 * err(ref, golden) + floor``.
+
+Queries are the last L tokens of their sequences (decoding for L = 1, a prefill chunk
+for larger L); the mods are written in logical positions and add each sequence's offset
+``seq_len[b] - L`` themselves. Pages are handed out round robin in chunks, so every
+sequence's pages interleave with the others' in the pool.
+
+Two paths: most cases run flex_attention's dense CPU path (fast; it honours the
+BlockMask block for block, so the page translation is fully exercised); the cases marked
+``kernel`` run the Triton kernels through the interpreter (the ``inductor_runs_flexattn_kernels``
+fixture), the decode kernel and the main kernel.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import flexattn
-import flexattn.lowering
-from flexattn import _compat
+from flexattn import PagedKVCache, mods
 from flexattn._hop import dense_flex_attention
-from flexattn.paged import PagedKVCache
 
 from _numerics import assert_close_3way
 from conftest import DEVICE
 
-flexattn.lowering.register()
-_compat.use_interpreter_libdevice()
-pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 ON_CUDA = DEVICE == "cuda"
+DECODE_MARK = "def attend_kv_steps("   # the decode kernel's inner loop
+kernel = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
 
-def test_reserve_append_free():
+# --------------------------------------------------------------------------------------
+# Harness
+# --------------------------------------------------------------------------------------
+def logical_mods(seq_len: torch.Tensor, L: int, Hq: int, window: int | None):
+    """Causal (+ sliding window) mask and ALiBi in logical positions, for queries that
+    are the last L tokens of sequences of lengths ``seq_len`` (a captured tensor)."""
+    slopes = mods.alibi_slopes(Hq, device=seq_len.device)
+
+    def causal_window(b, h, q_idx, kv_idx):
+        pos = q_idx + seq_len[b] - L
+        visible = kv_idx <= pos
+        return visible & (pos - kv_idx < window) if window is not None else visible
+
+    def alibi_logical(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - (q_idx + seq_len[b] - L))
+
+    return causal_window, alibi_logical
+
+
+class Sequences:
+    """Random logical K/V of several sequences, written into a fresh pool page by page."""
+
+    def __init__(self, cache: PagedKVCache, slots: list[int], lengths: list[int], Hkv: int, E: int,
+                 dtype: torch.dtype, seed: int, chunk: int = 10):
+        self.cache, self.slots, self.lengths = cache, slots, list(lengths)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.dtype, self.Hkv, self.E = dtype, Hkv, E
+        self.k_cache, self.v_cache = cache.allocate(Hkv, E, dtype)
+        # Poison the pool with a large finite value: a position that is visible but was
+        # never written wrecks the result (NaN would poison masked positions too: 0 * NaN).
+        self.k_cache.fill_(300.0)
+        self.v_cache.fill_(300.0)
+        self.k = [self.randn(n) for n in lengths]
+        self.v = [self.randn(n) for n in lengths]
+        for start in range(0, max(lengths), chunk):      # round robin: pages interleave
+            for i, n in enumerate(lengths):
+                if start < n:
+                    self.write(i, start, min(n, start + chunk))
+
+    def randn(self, n: int) -> torch.Tensor:
+        return torch.randn(1, self.Hkv, n, self.E, generator=self.gen).to(DEVICE, self.dtype)
+
+    def write(self, i: int, start: int, stop: int) -> None:
+        slot = self.slots[i]
+        self.cache.reserve(slot, stop)
+        pos = torch.arange(start, stop, device=DEVICE)[None]
+        self.cache.append([slot], pos, self.k[i][:, :, start:stop], self.v[i][:, :, start:stop],
+                          self.k_cache, self.v_cache)
+
+    def grow(self, i: int, n: int) -> None:
+        """Append n new random tokens to sequence i."""
+        start = self.lengths[i]
+        self.k[i] = torch.cat([self.k[i], self.randn(n)], dim=2)
+        self.v[i] = torch.cat([self.v[i], self.randn(n)], dim=2)
+        self.lengths[i] += n
+        self.write(i, start, start + n)
+
+    def replace(self, i: int, slot: int, n: int) -> None:
+        """Sequence i ends; a new one of n tokens takes ``slot``."""
+        self.cache.free(self.slots[i])
+        self.slots[i] = slot
+        self.k[i], self.v[i] = self.randn(n), self.randn(n)
+        self.lengths[i] = n
+        self.write(i, 0, n)
+
+    def reference(self, q, mask_mod, score_mod, dtype):
+        """Each sequence on its own contiguous cache: dense attention in ``dtype``."""
+        outs, lses = [], []
+        for i, n in enumerate(self.lengths):
+            def mask_i(b, h, q_idx, kv_idx, i=i):
+                return mask_mod(b + i, h, q_idx, kv_idx)
+
+            def score_i(score, b, h, q_idx, kv_idx, i=i):
+                return score_mod(score, b + i, h, q_idx, kv_idx)
+
+            L = q.shape[2]
+            bm = flexattn.create_block_mask(mask_i, 1, None, L, n, device=DEVICE, BLOCK_SIZE=16)
+            out, lse, _ = dense_flex_attention(
+                q[i:i + 1].to(dtype), self.k[i].to(dtype), self.v[i].to(dtype), score_i, bm.as_tuple(),
+                self.E ** -0.5, {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}, (), ())
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+    def check(self, name, q, out, lse, mask_mod, score_mod):
+        golden = self.reference(q, mask_mod, score_mod, torch.float64)
+        ref = self.reference(q, mask_mod, score_mod, self.dtype)
+        assert_close_3way(f"{name} out", out, ref[0], golden[0], self.dtype)
+        assert_close_3way(f"{name} lse", lse, ref[1], golden[1], self.dtype)
+
+
+def paged_attention(cache, seqs, q, mask_mod, score_mod, *, q_block=16, options=None):
+    """Logical BlockMask -> pool BlockMask, mods -> pool mods, flex_attention on the pool."""
+    B, Hq, L, _ = q.shape
+    slots = torch.tensor(seqs.slots, device=DEVICE)
+    logical = flexattn.create_block_mask(mask_mod, B, None, L, max(seqs.lengths), device=DEVICE,
+                                         BLOCK_SIZE=(q_block, cache.page_size))
+    paged_mask = cache.block_mask_on_pages(logical, slots)
+    paged_score = cache.score_mod_on_pages(score_mod, slots)
+    return flexattn.flex_attention(q, seqs.k_cache, seqs.v_cache, score_mod=paged_score, block_mask=paged_mask,
+                                   enable_gqa=True, return_lse=True, kernel_options=options)
+
+
+def make_case(group: int, L: int, *, Hkv=2, E=16, page=16, lengths=(37, 101, 70), dtype=torch.float16,
+              window=48, seed=0, spare_pages=3):
+    lengths = [n + L for n in lengths]
+    n_pages = sum(-(-n // page) for n in lengths) + spare_pages
+    cache = PagedKVCache(n_pages=n_pages, page_size=page, max_slots=5, device=DEVICE)
+    seqs = Sequences(cache, [3, 0, 4][:len(lengths)], lengths, Hkv, E, dtype, seed)
+    Hq = Hkv * group
+    q = torch.randn(len(lengths), Hq, L, E, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
+    seq_len = torch.tensor(lengths, device=DEVICE)
+    mask_mod, score_mod = logical_mods(seq_len, L, Hq, window)
+    return cache, seqs, q, mask_mod, score_mod
+
+
+# --------------------------------------------------------------------------------------
+# Bookkeeping
+# --------------------------------------------------------------------------------------
+def test_exported():
+    assert flexattn.PagedKVCache is PagedKVCache and "PagedKVCache" in flexattn.__all__
+
+
+def test_reserve_free_reuse():
     cache = PagedKVCache(n_pages=8, page_size=4, max_slots=3, device=DEVICE)
     cache.reserve(0, 5)
     cache.reserve(1, 4)
     cache.reserve(0, 9)
+    cache.reserve(0, 2)                      # already holds more: no-op
     assert cache.capacity(0) == 12 and cache.capacity(1) == 4 and cache.free_pages() == 4
-    assert cache.page_table[0, :3].tolist() == [0, 1, 3] and cache.page_table[1, 0].item() == 2
-    assert cache.owner_page[0, 3].item() == 2 and cache.owner_page[1, 3].item() == -1
-    pos = cache.pool_positions(torch.tensor([0, 1]), torch.tensor([[9], [2]]))
+    assert cache.pages(0) == [0, 1, 3] and cache.pages(1) == [2]
+    assert cache.page_table[0, :4].tolist() == [0, 1, 3, -1] and cache.page_table[1, 0].item() == 2
+    assert cache.owner_page[0, :4].tolist() == [0, 1, -1, 2] and cache.owner_page[1, :4].tolist() == [-1, -1, 0, -1]
+    pos = cache.pool_positions(torch.tensor([0, 1], device=DEVICE), torch.tensor([[9], [2]], device=DEVICE))
     assert pos.tolist() == [[3 * 4 + 1], [2 * 4 + 2]]
     cache.free(0)
-    assert cache.free_pages() == 7 and cache.capacity(0) == 0
+    assert cache.free_pages() == 7 and cache.capacity(0) == 0 and cache.pages(0) == []
+    assert (cache.page_table[0] == -1).all() and (cache.owner_page[0] == -1).all()
+    cache.reserve(2, 8)                      # the freed pages come back first, in order
+    assert cache.pages(2) == [0, 1]
     with pytest.raises(RuntimeError, match="out of pages"):
         cache.reserve(2, 40)
-    with pytest.raises(RuntimeError, match="reserve first"):
-        cache.pool_positions(torch.tensor([1]), torch.tensor([[4]]))
+    assert cache.pages(2) == [0, 1] and cache.free_pages() == 5   # a failed reserve changes nothing
+    assert "pages_in_use=3" in repr(cache)
 
 
-@pytest.mark.parametrize("L", [1, 3])
-def test_decode_on_pages_matches_contiguous(L):
-    """Three sequences of different lengths, their pages interleaved in the pool; a
-    decode step of L tokens each, causal + sliding window and ALiBi in logical positions."""
-    page, Hq, Hkv, E = 16, 4, 2, 16
-    lengths = [37, scaled(150, 1500), 70]
-    B = len(lengths)
-    cache = PagedKVCache(n_pages=sum(-(-n // page) for n in lengths) + 2, page_size=page, max_slots=4, device=DEVICE)
-    gen = torch.Generator().manual_seed(L)
-    dtype = torch.float16
-    k_logical = [torch.randn(1, Hkv, n, E, generator=gen).to(DEVICE, dtype) for n in lengths]
-    v_logical = [torch.randn(1, Hkv, n, E, generator=gen).to(DEVICE, dtype) for n in lengths]
-    k_cache = torch.zeros(1, Hkv, cache.pool_length, E, device=DEVICE, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    slots = torch.tensor([2, 0, 1], device=DEVICE)
-    # Grow the sequences in steps of 10 tokens, round robin, so their pages interleave.
-    for start in range(0, max(lengths), 10):
-        for b, n in enumerate(lengths):
-            stop = min(n, start + 10)
-            if start >= stop:
-                continue
-            cache.reserve(int(slots[b]), stop)
-            pos = torch.arange(start, stop, device=DEVICE)[None]
-            cache.append(slots[b:b + 1], pos, k_logical[b][:, :, start:stop], v_logical[b][:, :, start:stop],
-                         k_cache, v_cache)
-
-    seq_len = torch.tensor(lengths, device=DEVICE)
-    max_len = max(lengths)
-    slopes = flexattn.mods.alibi_slopes(Hq, device=DEVICE)
-
-    def mask_mod(b, h, q_idx, kv_idx):   # logical positions; the queries are the last L tokens
-        pos = q_idx + seq_len[b] - L
-        return (kv_idx <= pos) & (pos - kv_idx < 64)
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - (q_idx + seq_len[b] - L))
-
-    q = torch.randn(B, Hq, L, E, generator=gen).to(DEVICE, dtype)
-    logical_mask = flexattn.create_block_mask(mask_mod, B, None, L, max_len, device=DEVICE, BLOCK_SIZE=(16, page))
-    paged_mask = cache.block_mask_on_pages(logical_mask, slots)
-    paged_score = cache.score_mod_on_pages(score_mod, slots)
-    out = flexattn.flex_attention(q, k_cache, v_cache, score_mod=paged_score, block_mask=paged_mask,
-                                  enable_gqa=True, return_lse=True, kernel_options={"FORCE_DECODE": True})
-
-    # The reference: each sequence's cache contiguous, padded to max_len (padding masked).
-    k_dense = torch.zeros(B, Hkv, max_len, E, device=DEVICE, dtype=dtype)
-    v_dense = torch.zeros_like(k_dense)
-    for b, n in enumerate(lengths):
-        k_dense[b, :, :n], v_dense[b, :, :n] = k_logical[b][0], v_logical[b][0]
-    options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
-    t = logical_mask.as_tuple()
-    golden = dense_flex_attention(q.double(), k_dense.double(), v_dense.double(), score_mod, t, E ** -0.5,
-                                  options, (), ())
-    ref = dense_flex_attention(q, k_dense, v_dense, score_mod, t, E ** -0.5, options, (), ())
-    assert_close_3way("out", out[0], ref[0], golden[0], dtype)
-    assert_close_3way("lse", out[1], ref[1], golden[1], dtype)
+def test_append_writes_each_token_at_its_page():
+    cache = PagedKVCache(n_pages=6, page_size=4, max_slots=2, device=DEVICE)
+    k_cache, v_cache = cache.allocate(2, 8, torch.float32, value_head_dim=3)
+    assert k_cache.shape == (1, 2, 24, 8) and v_cache.shape == (1, 2, 24, 3)
+    cache.reserve(1, 3)
+    cache.reserve(0, 6)
+    cache.reserve(1, 7)                      # slot 1: pages [0, 3]; slot 0: pages [1, 2]
+    k = torch.randn(2, 2, 3, 8, device=DEVICE)
+    v = torch.randn(2, 2, 3, 3, device=DEVICE)
+    positions = torch.tensor([[4, 5, 6], [0, 1, 5]], device=DEVICE)
+    cache.append(torch.tensor([1, 0], device=DEVICE), positions, k, v, k_cache, v_cache)
+    expect = {(1, 4): 12, (1, 5): 13, (1, 6): 14, (0, 0): 4, (0, 1): 5, (0, 5): 9}
+    for row, slot in enumerate([1, 0]):
+        for col in range(3):
+            at = expect[(slot, int(positions[row, col]))]
+            assert torch.equal(k_cache[0, :, at], k[row, :, col]) and torch.equal(v_cache[0, :, at], v[row, :, col])
+    assert int((k_cache[0, 0].abs().sum(-1) != 0).sum()) == 6
 
 
-def scaled(cpu, cuda):
-    return cuda if ON_CUDA else cpu
+def _bad_inputs():
+    cache = PagedKVCache(n_pages=4, page_size=16, max_slots=2, device=DEVICE)
+    cache.reserve(0, 20)
+    k_cache, v_cache = cache.allocate(2, 8, torch.float16)
+    slots = torch.tensor([0], device=DEVICE)
+    pos = torch.tensor([[3, 4]], device=DEVICE)
+    k = torch.randn(1, 2, 2, 8, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(1, 2, 2, 8, device=DEVICE, dtype=torch.float16)
+    bm = flexattn.create_block_mask(mods.causal_mask, 1, None, 1, 32, device=DEVICE, BLOCK_SIZE=16)
+    append = cache.append
+    return [
+        ("n_pages", lambda: PagedKVCache(0, 16, 1)),
+        ("page_size", lambda: PagedKVCache(4, 16.0, 1)),
+        ("max_slots", lambda: PagedKVCache(4, 16, True)),
+        ("device", lambda: PagedKVCache(4, 16, 1, device="nowhere")),
+        ("slot must be an int", lambda: cache.reserve(2, 4)),
+        ("length", lambda: cache.reserve(0, -1)),
+        ("slot must be an int", lambda: cache.free(-1)),
+        ("k_cache must have shape", lambda: append(slots, pos, k, v, k_cache[:, :, :32], v_cache)),
+        ("v_cache must be a torch.Tensor", lambda: append(slots, pos, k, v, k_cache, None)),
+        ("same number of heads", lambda: append(slots, pos, k, v, k_cache, v_cache[:, :1])),
+        ("k_cache must be on the cache's device", lambda: append(slots, pos, k, v, k_cache.to("meta"), v_cache)),
+        ("slots must be a non-empty 1-D", lambda: append(slots[None], pos, k, v, k_cache, v_cache)),
+        ("slots must have an integer dtype", lambda: append(slots.float(), pos, k, v, k_cache, v_cache)),
+        ("slots must be a 1-D integer tensor or a list", lambda: append(0, pos, k, v, k_cache, v_cache)),
+        (r"slots must hold slots in \[0, 2\)", lambda: append([5], pos, k, v, k_cache, v_cache)),
+        ("must not name a slot twice", lambda: cache.mask_mod_on_pages(mods.causal_mask, [0, 0])),
+        ("positions must have shape", lambda: append(slots, pos[0], k, v, k_cache, v_cache)),
+        ("positions must have an integer dtype", lambda: append(slots, pos.float(), k, v, k_cache, v_cache)),
+        (r"positions\[0, 1\] = 40 is outside slot 0's reserved pages \(capacity 32",
+         lambda: append(slots, torch.tensor([[3, 40]], device=DEVICE), k, v, k_cache, v_cache)),
+        (r"positions\[0, 0\] = -1", lambda: append(slots, torch.tensor([[-1, 4]], device=DEVICE), k, v,
+                                                  k_cache, v_cache)),
+        ("outside slot 1's reserved pages", lambda: cache.pool_positions([1], pos)),
+        ("must not repeat a position", lambda: append(slots, torch.tensor([[4, 4]], device=DEVICE), k, v,
+                                                      k_cache, v_cache)),
+        (r"k must have shape \(B, Hkv, L, D\) = \(1, 2, 2, 8\)", lambda: append(slots, pos, k[:, :1], v,
+                                                                               k_cache, v_cache)),
+        ("v must have shape", lambda: append(slots, pos, k, v[..., :4], k_cache, v_cache)),
+        ("k must have k_cache's dtype", lambda: append(slots, pos, k.float(), v, k_cache, v_cache)),
+        ("v must be a torch.Tensor", lambda: append(slots, pos, k, v.tolist(), k_cache, v_cache)),
+        ("mask_mod must be a callable", lambda: cache.mask_mod_on_pages(lambda s, b, h, q, kv: s, slots)),
+        ("score_mod must be a callable", lambda: cache.score_mod_on_pages(mods.causal_mask, slots)),
+        ("block_mask must be a flexattn.BlockMask", lambda: cache.block_mask_on_pages(bm.as_tuple(), slots)),
+        (r"KV block size \(32\) must equal the page size \(16\)", lambda: cache.block_mask_on_pages(
+            flexattn.create_block_mask(mods.causal_mask, 1, None, 1, 64, device=DEVICE, BLOCK_SIZE=32), slots)),
+        ("block_mask must have batch 1 or len", lambda: cache.block_mask_on_pages(
+            flexattn.create_block_mask(mods.causal_mask, 3, None, 1, 32, device=DEVICE, BLOCK_SIZE=16), [0, 1])),
+        ("exceeds the pool's 64 tokens", lambda: cache.block_mask_on_pages(
+            flexattn.create_block_mask(mods.causal_mask, 1, None, 1, 65, device=DEVICE, BLOCK_SIZE=16), slots)),
+        ("block_mask must be on the cache's device", lambda: cache.block_mask_on_pages(bm.to("meta"), slots)),
+        ("allocate dtype", lambda: cache.allocate(2, 8, torch.int32)),
+        ("allocate head_dim", lambda: cache.allocate(2, 0)),
+    ]
 
 
-def test_block_size_must_match_pages():
-    cache = PagedKVCache(n_pages=4, page_size=16, max_slots=1, device=DEVICE)
-    bm = flexattn.create_block_mask(flexattn.mods.causal_mask, 1, None, 1, 64, device=DEVICE, BLOCK_SIZE=32)
-    with pytest.raises(ValueError, match="must equal the page size"):
-        cache.block_mask_on_pages(bm, torch.tensor([0]))
+BAD_INPUTS = _bad_inputs()
+
+
+@pytest.mark.parametrize("match,call", BAD_INPUTS, ids=[f"{i}-{m[:30]}" for i, (m, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_names_the_argument(match, call):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        call()
+
+
+def test_checks_leave_the_cache_unchanged():
+    cache = PagedKVCache(n_pages=4, page_size=16, max_slots=2, device=DEVICE)
+    cache.reserve(0, 16)
+    k_cache, v_cache = cache.allocate(1, 8, torch.float32)
+    k = torch.ones(1, 1, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="reserved pages"):
+        cache.append([0], torch.tensor([[15, 16]], device=DEVICE), k, k, k_cache, v_cache)
+    assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
+
+
+def test_blocks_beyond_reserved_pages_are_dropped():
+    """A logical mask shared by the batch (B=None) lists every block up to the longest
+    sequence; on the pages each row keeps only the blocks its slot owns, in order."""
+    cache = PagedKVCache(n_pages=10, page_size=16, max_slots=3, device=DEVICE)
+    cache.reserve(2, 20)      # pages 0, 1
+    cache.reserve(0, 70)      # pages 2..6
+    cache.reserve(2, 40)      # page 7
+    logical = flexattn.create_block_mask(flexattn.noop_mask, None, None, 16, 70, device=DEVICE, BLOCK_SIZE=16)
+    paged = cache.block_mask_on_pages(logical, [2, 0])
+    assert paged.seq_lengths == (16, cache.pool_length) and paged.kv_indices.shape == (2, 1, 1, 10)
+    full_num, full_idx = paged.full_kv_num_blocks, paged.full_kv_indices
+    partial_num = paged.kv_num_blocks
+    # KV length 70: blocks 0..3 full, block 4 partial (it hangs over the end).
+    assert full_num[:, 0, 0].tolist() == [3, 4] and partial_num[:, 0, 0].tolist() == [0, 1]
+    assert full_idx[0, 0, 0, :3].tolist() == [0, 1, 7] and full_idx[1, 0, 0, :4].tolist() == [2, 3, 4, 5]
+    assert paged.kv_indices[1, 0, 0, 0].item() == 6
+    for idx in (paged.kv_indices, paged.full_kv_indices):  # the layout: each row a permutation of the pages
+        assert (idx.sort(dim=-1).values == torch.arange(10, device=DEVICE)).all()
+    dense = paged.to_dense()[:, 0, 0]       # (rows, pages): which pages are visited
+    assert dense[0].nonzero().flatten().tolist() == [0, 1, 7]
+    assert dense[1].nonzero().flatten().tolist() == [2, 3, 4, 5, 6]
+
+
+# --------------------------------------------------------------------------------------
+# Attention on the pool vs each sequence's contiguous cache
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("L", [1, 3, 17, 64])
+def test_paged_matches_contiguous_dense_path(group, L):
+    cache, seqs, q, mask_mod, score_mod = make_case(group, L, seed=group * 100 + L)
+    out, lse = paged_attention(cache, seqs, q, mask_mod, score_mod)
+    seqs.check("paged", q, out, lse, mask_mod, score_mod)
+
+
+@kernel
+@pytest.mark.parametrize("group,L,options", [
+    (4, 1, None),                              # decode kernel, chosen automatically
+    (2, 17, None),                             # a prefill chunk through the decode kernel
+    (8, 5, {"FORCE_DECODE": False}),           # the main kernel on the pages
+], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8"])
+def test_paged_matches_contiguous_kernels(group, L, options):
+    # Two sequences and one KV head keep the interpreter's work small.
+    cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=1, seed=group + L, lengths=(153, 70))
+    assert cache.pool_length >= 256             # long enough for the automatic decode choice
+    out, lse = paged_attention(cache, seqs, q, mask_mod, score_mod, options=options)
+    seqs.check("paged", q, out, lse, mask_mod, score_mod)
+
+
+def test_mask_mod_on_pages_alone():
+    """A BlockMask built directly over the pool from ``mask_mod_on_pages`` gives the same
+    attention (slower to build: it evaluates the mask at every pool position)."""
+    cache, seqs, q, mask_mod, score_mod = make_case(2, 2, window=None)
+    slots = torch.tensor(seqs.slots, device=DEVICE)
+    over_pool = flexattn.create_block_mask(cache.mask_mod_on_pages(mask_mod, slots), 3, None, 2,
+                                           cache.pool_length, device=DEVICE, BLOCK_SIZE=16)
+    out, lse = flexattn.flex_attention(q, seqs.k_cache, seqs.v_cache, score_mod=cache.score_mod_on_pages(
+        score_mod, slots), block_mask=over_pool, enable_gqa=True, return_lse=True)
+    seqs.check("over the pool", q, out, lse, mask_mod, score_mod)
+
+
+# --------------------------------------------------------------------------------------
+# Decoding step by step under torch.compile
+# --------------------------------------------------------------------------------------
+def _decode_steps(backend: str, steps: int, options=None):
+    """``steps`` decode steps of a compiled step function (append the new token, attend
+    on the pool); the sequences grow across page boundaries, and halfway one ends and a
+    new one takes its slot and, after it, its freed pages. Checks every step's output
+    and that the step compiled once."""
+    group, Hkv, E, page = 2, 1, 16, 16
+    Hq = group * Hkv
+    cache = PagedKVCache(n_pages=24, page_size=page, max_slots=4, device=DEVICE)
+    seqs = Sequences(cache, [1, 3], [30, 63], Hkv, E, torch.float16, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    slots = torch.tensor(seqs.slots, device=DEVICE)
+    seq_len = torch.tensor(seqs.lengths, device=DEVICE)       # updated in place every step
+
+    def window_mask(b, h, q_idx, kv_idx):                     # decode: the query is token seq_len - 1
+        pos = seq_len[b] - 1
+        return (kv_idx <= pos) & (pos - kv_idx < 40)
+
+    slopes = mods.alibi_slopes(Hq, device=DEVICE)
+
+    def alibi_logical(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - seq_len[b] + 1)
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def step(q, k_new, v_new, k_cache, v_cache, slots, positions, block_mask):
+        cache.append(slots, positions, k_new, v_new, k_cache, v_cache)
+        return flexattn.flex_attention(q, k_cache, v_cache, score_mod=cache.score_mod_on_pages(alibi_logical, slots),
+                                       block_mask=block_mask, enable_gqa=True, return_lse=True,
+                                       kernel_options=options)
+
+    counters.clear()
+    for t in range(steps):
+        if t == steps // 2:
+            seqs.replace(0, slot=2, n=45)            # slot 1 ends; its pages go back to the pool
+            slots[0] = 2
+            seqs.replace(1, slot=1, n=20)            # and a new sequence in slot 1 reuses pages
+            slots[1] = 1
+        for i in range(2):
+            seqs.lengths[i] += 1
+            cache.reserve(seqs.slots[i], seqs.lengths[i])
+        seq_len.copy_(torch.tensor(seqs.lengths))
+        k_new = [seqs.randn(1) for _ in range(2)]
+        v_new = [seqs.randn(1) for _ in range(2)]
+        for i in range(2):
+            seqs.k[i] = torch.cat([seqs.k[i], k_new[i]], dim=2)
+            seqs.v[i] = torch.cat([seqs.v[i], v_new[i]], dim=2)
+        q = torch.randn(2, Hq, 1, E, generator=gen).to(DEVICE, torch.float16)
+        logical = flexattn.create_block_mask(window_mask, 2, None, 1, max(seqs.lengths), device=DEVICE,
+                                             BLOCK_SIZE=(16, page))
+        paged_mask = cache.block_mask_on_pages(logical, slots)
+        out, lse = step(q, torch.cat(k_new), torch.cat(v_new), seqs.k_cache, seqs.v_cache, slots,
+                        (seq_len - 1)[:, None], paged_mask)
+        seqs.check(f"step {t}", q, out, lse, window_mask, alibi_logical)
+    print({k: dict(v) for k, v in counters.items()})
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_decode_steps_compile_once_dense_path():
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _decode_steps("eager", steps=8)
+
+
+@kernel
+def test_decode_steps_compile_once_kernels():
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _decode_steps("inductor", steps=3, options={"SPLIT_KV": 2})

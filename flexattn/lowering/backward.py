@@ -51,7 +51,7 @@ from ..templates import kernel_source
 from . import backward_configs as bcfgs
 from .configs import shared_memory_limit
 from .dense import _example, _lower_graph, _static, broadcastable_mod, dense_attention
-from .forward import as_tensor_boxes, broadcast_to, realize_fixed, use_triton_template
+from .forward import as_tensor_boxes, broadcast_to, captured_for_kernel, realize_fixed, use_triton_template
 from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod
 
 log = logging.getLogger("flexattn.lowering")
@@ -247,26 +247,113 @@ def _scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device,
     return buffer.data.inner_fn
 
 
-def build_buffer_grad_scatters(joint_gm, score_mod_buffers, wants, dtype, device):
-    """The Scatter subgraph list (template subgraph 3) and the float32 gradient buffers.
+def _depends_on(node: torch.fx.Node, targets: set) -> bool:
+    """Whether ``node`` is computed from any of the fx nodes ``targets``."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
 
-    Returns ``(scatters, grad_buffers)``: ``grad_buffers[i]`` is a zero-filled float32
-    buffer shaped like ``score_mod_buffers[i]`` when it needs a gradient, else None.
+
+@dataclass
+class BufferGradPlan:
+    """How the backward kernel produces the gradients of captured tensors.
+
+    * ``scatters`` (template subgraph 3, empty when none): per-element atomic adds, for
+      buffers indexed by q_idx or kv_idx (a relative-bias table): each (q, kv) pair of a
+      tile adds into its own entry.
+    * ``reduced`` (pairs of subgraphs from ``REDUCED_GRAD_SUBGRAPH`` on): terms whose
+      entry depends on b and h only (ALiBi slopes[h], a per-head scale, a 0-d
+      temperature). The kernel sums such a term's values over the tile first and adds
+      the sum with one atomic into ``workspace`` at the term's index subgraph: one
+      atomic per tile instead of one per element, and a tree sum instead of a long
+      chain of float32 additions into one address.
+    * ``scatter_grads``: the zero-filled float32 buffers the scatters add into.
+    * ``grads[i]``: the float32 gradient of captured tensor i (None if it needs none),
+      a view into ``workspace`` for the reduced ones.
     """
+
+    scatters: list
+    scatter_grads: list
+    reduced: list
+    workspace: Any
+    grads: list
+
+
+def _linear_index_buffer(index_fns, sizes, base: int, device) -> ir.ComputedBuffer:
+    """A 0-d int64 subgraph: ``base`` + the row-major offset of the entry the index
+    loaders name in a tensor of ``sizes`` (negative indices wrap, as in Python)."""
+
+    def inner_fn(_):
+        total = ops.constant(base, torch.int64)
+        stride = 1
+        for fn, size in reversed(list(zip(index_fns, sizes))):
+            idx = ops.to_dtype(fn(()), torch.int64)
+            idx = ops.where(ops.lt(idx, ops.constant(0, torch.int64)),
+                            ops.add(idx, ops.constant(size, torch.int64)), idx)
+            total = ops.add(total, ops.mul(idx, ops.constant(stride, torch.int64)))
+            stride *= size
+        return total
+
+    buffer = ir.ComputedBuffer(
+        name=None, layout=ir.FlexibleLayout(device=device, dtype=torch.int64, size=[]),
+        data=ir.Pointwise(device=device, dtype=torch.int64, inner_fn=inner_fn, ranges=[]))
+    buffer.freeze_layout()
+    return buffer
+
+
+def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device) -> BufferGradPlan:
+    """The subgraphs and float32 buffers of the captured-tensor gradients (see
+    ``BufferGradPlan``)."""
     results = _joint_outputs(joint_gm)[1:]
     captured = as_tensor_boxes(score_mod_buffers)
-    scatters: list[ir.ComputedBuffer] = []
-    grad_buffers: list[Any] = []
+    placeholders = [n for n in joint_gm.graph.nodes if n.op == "placeholder"]
+    per_pair = {placeholders[3], placeholders[4]}  # q_idx, kv_idx (JOINT_ARGS order)
+
+    terms_of: dict[int, list[ScatterTerm]] = {}
+    reducible: dict[int, bool] = {}
     for i, (buf, want, node) in enumerate(zip(score_mod_buffers, wants, results)):
-        if not want:
-            grad_buffers.append(None)
-            continue
+        if want:
+            sizes = list(buf.get_size())
+            terms_of[i] = scatter_terms(node, len(sizes), f"captured tensor #{i} of score_mod")
+            reducible[i] = all(isinstance(s, (int, sympy.Integer)) for s in sizes) and not any(
+                _depends_on(idx, per_pair) for t in terms_of[i] for idx in t.indices)
+
+    offsets, total = {}, 0
+    for i in terms_of:
+        if reducible[i]:
+            offsets[i] = total
+            total += int(sympy.prod([int(s) for s in score_mod_buffers[i].get_size()]))
+    workspace = realize_fixed(lowerings[aten.full.default]([max(total, 1)], 0.0, dtype=torch.float32,
+                                                           device=device))
+
+    scatters: list[ir.ComputedBuffer] = []
+    reduced: list[ir.ComputedBuffer] = []
+    scatter_grads: list[Any] = []
+    grads: list[Any] = [None] * len(score_mod_buffers)
+    for i, terms in terms_of.items():
         what = f"captured tensor #{i} of score_mod"
-        sizes = list(buf.get_size())
-        grad = lowerings[aten.full.default](sizes, 0.0, dtype=torch.float32, device=device)
-        grad = realize_fixed(grad)
-        grad_buffers.append(grad)
-        for term in scatter_terms(node, len(sizes), what):
+        sizes = [int(s) for s in score_mod_buffers[i].get_size()] if reducible[i] \
+            else list(score_mod_buffers[i].get_size())
+        if reducible[i]:
+            numel = int(sympy.prod(sizes))
+            view = lowerings[aten.slice.Tensor](ir.TensorBox(workspace), 0, offsets[i], offsets[i] + numel)
+            grads[i] = lowerings[aten.view.default](view, sizes)
+            for term in terms:
+                value = build_mod_buffer(graph_returning(joint_gm, term.value), JOINT_ARGS, dtype, device,
+                                         captured, what)
+                index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
+                reduced += [value, _linear_index_buffer(index_fns, sizes, offsets[i], device)]
+            continue
+        grad = realize_fixed(lowerings[aten.full.default](sizes, 0.0, dtype=torch.float32, device=device))
+        grads[i] = grad
+        scatter_grads.append(grad)
+        for term in terms:
             value_fn = _scalar_loader(joint_gm, term.value, dtype, device, captured, what)
             index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
 
@@ -280,7 +367,7 @@ def build_buffer_grad_scatters(joint_gm, score_mod_buffers, wants, dtype, device
                                  output_indexer=output_indexer, scatter_mode="atomic_add")
             scatters.append(ir.ComputedBuffer(name=grad.get_name(), layout=ir.MutationLayoutSHOULDREMOVE(grad),
                                               data=scatter))
-    return scatters, grad_buffers
+    return BufferGradPlan(scatters=scatters, scatter_grads=scatter_grads, reduced=reduced, workspace=workspace, grads=grads)
 
 
 # --------------------------------------------------------------------------------------
@@ -381,8 +468,8 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
         full_kv_num_blocks, full_kv_indices, full_q_num_blocks, full_q_indices = (
             realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device)) for _ in range(4))
 
-    score_mod_buffers = [realize_fixed(b) for b in score_mod_buffers]
-    mask_mod_buffers = [realize_fixed(b) for b in mask_mod_buffers]
+    score_mod_buffers = [captured_for_kernel(b, device) for b in score_mod_buffers]
+    mask_mod_buffers = [captured_for_kernel(b, device) for b in mask_mod_buffers]
     captured = as_tensor_boxes(score_mod_buffers)
     has_score_mod = not is_identity_score_mod(fw_graph.graph_module)
     score_buffer = build_mod_buffer(fw_graph.graph_module, SCORE_MOD_ARGS, dtype, device, captured, "score_mod")
@@ -391,10 +478,11 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     grad_score_node = _joint_outputs(joint_gm)[0]
     grad_score_buffer = build_mod_buffer(graph_returning(joint_gm, grad_score_node), JOINT_ARGS, dtype,
                                          device, captured, "score_mod's gradient (joint graph)")
-    scatters, grad_buffers = build_buffer_grad_scatters(joint_gm, score_mod_buffers, wants, dtype, device)
-    subgraphs: list[Any] = [score_buffer, mask_buffer, grad_score_buffer]
-    if scatters:
-        subgraphs.append(scatters)
+    grad_plan = plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device)
+    # Subgraph 3 is always present (an empty scatter list renders nothing), so the
+    # reduced terms' pairs start at 4.
+    subgraphs: list[Any] = [score_buffer, mask_buffer, grad_score_buffer, grad_plan.scatters,
+                            *grad_plan.reduced]
 
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
@@ -402,7 +490,9 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
         has_score_mod=has_score_mod)
     known = sizevars.statically_known_true
     spec.update(
-        HAS_BUFFER_GRADS=bool(scatters),
+        HAS_BUFFER_GRADS=bool(grad_plan.scatters),
+        NUM_REDUCED_GRAD_TERMS=len(grad_plan.reduced) // 2,
+        REDUCED_GRAD_SUBGRAPH=4,
         FLOAT64_ACC=dtype == torch.float64,
         IS_DIVISIBLE_M=known(sympy.Eq(Mod(L, sparse_q), 0)),
         IS_DIVISIBLE_N=known(sympy.Eq(Mod(S, sparse_kv), 0)),
@@ -421,8 +511,10 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
 
     input_nodes = [query, key, value, logsumexp, delta, grad_out, grad_query, grad_value,
                    kv_num_blocks, kv_indices, q_num_blocks, q_indices,
-                   full_kv_num_blocks, full_kv_indices, full_q_num_blocks, full_q_indices]
-    mutated_grads = [g for g in grad_buffers if g is not None]
+                   full_kv_num_blocks, full_kv_indices, full_q_num_blocks, full_q_indices,
+                   grad_plan.workspace]
+    scatter_grads = grad_plan.scatter_grads
+    mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.reduced else [])
     choices: list[Any] = []
     config_of_choice: dict[int, bcfgs.BackwardConfig] = {}
     errors: list[str] = []
@@ -434,7 +526,7 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
             input_nodes=input_nodes,
             layout=dk_layout,
             subgraphs=subgraphs,
-            mutated_inputs=[grad_query, grad_value, *mutated_grads],
+            mutated_inputs=mutated,
             call_sizes=[B, Hkv, L, S],
             num_stages=cfg.num_stages,
             num_warps=cfg.num_warps,
@@ -451,7 +543,7 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     extra = [b for b in (*score_mod_buffers, *mask_mod_buffers) if isinstance(b, ir.IRNode)]
     input_gen_fns = _benchmark_inputs(has_full_blocks, kv_indices, q_indices, full_kv_indices, full_q_indices)
     grad_key = _compat.autotune_select_node(
-        TEMPLATE_NAME, choices, input_nodes + extra + mutated_grads, dk_layout, input_gen_fns=input_gen_fns)
+        TEMPLATE_NAME, choices, input_nodes + extra + scatter_grads, dk_layout, input_gen_fns=input_gen_fns)
     _report_choice(grad_key, config_of_choice, usable, spec, query, key, value, kernel_options)
 
     grad_key, grad_value = ir.TensorBox(grad_key) if not isinstance(grad_key, ir.TensorBox) else grad_key, \
@@ -460,10 +552,16 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
         grad_key = lowerings[aten.sum.dim_IntList](grad_key, [0], True)
         grad_value = lowerings[aten.sum.dim_IntList](grad_value, [0], True)
     buffer_grads = tuple(
-        None if g is None else (
-            ir.TensorBox(g) if buf.get_dtype() == torch.float32 else to_dtype(ir.TensorBox(g), buf.get_dtype()))
-        for g, buf in zip(grad_buffers, score_mod_buffers))
+        None if g is None else _finish_buffer_grad(g, buf) for g, buf in zip(grad_plan.grads, score_mod_buffers))
     return ir.TensorBox(grad_query), grad_key, grad_value, buffer_grads
+
+
+def _finish_buffer_grad(grad, buf):
+    """The float32 accumulation ``grad`` as the gradient of the captured ``buf``."""
+    grad = grad if isinstance(grad, ir.TensorBox) else ir.TensorBox(grad)
+    if buf.get_dtype() != torch.float32:
+        grad = to_dtype(grad, buf.get_dtype())
+    return grad
 
 
 def _benchmark_inputs(has_full_blocks, kv_indices, q_indices, full_kv_indices, full_q_indices):

@@ -126,6 +126,20 @@ def realize_fixed(node):
     return node
 
 
+def captured_for_kernel(node, device: torch.device):
+    """A captured tensor of a mod, realized for a Triton template on ``device``.
+
+    Inductor passes a 0-d CPU tensor (e.g. a closed-over float that Dynamo lifted to an
+    input after a recompile) to Triton kernels as a Python scalar, which a template cannot
+    ``tl.load``. Such a tensor is first copied by a pointwise kernel into a 0-d buffer on
+    ``device``; on a CPU device the copy is an ordinary buffer, passed as a pointer.
+    """
+    if isinstance(node, ir.IRNode) and not node.get_size() and node.get_device().type == "cpu":
+        node = ir.Pointwise.create(device=device, dtype=node.get_dtype(), inner_fn=node.make_loader(),
+                                   ranges=[])
+    return realize_fixed(node)
+
+
 def as_tensor_boxes(nodes: Sequence) -> list:
     """Realized IR nodes wrapped as the TensorBoxes lowerings take (scalars unchanged)."""
     return [ir.TensorBox(n) if isinstance(n, ir.IRNode) and not isinstance(n, ir.TensorBox) else n
@@ -271,8 +285,8 @@ def lower_to_template(
         full_kv_num_blocks = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
         full_kv_indices = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
 
-    score_mod_buffers = [realize_fixed(b) for b in score_mod_buffers]
-    mask_mod_buffers = [realize_fixed(b) for b in mask_mod_buffers]
+    score_mod_buffers = [captured_for_kernel(b, device) for b in score_mod_buffers]
+    mask_mod_buffers = [captured_for_kernel(b, device) for b in mask_mod_buffers]
     has_score_mod = not is_identity_score_mod(score_mod.graph_module)
     score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
                                     as_tensor_boxes(score_mod_buffers), "score_mod")

@@ -1,0 +1,102 @@
+"""Sweep backward tile configurations on the GPU, beside torch's flex_attention.
+
+    python bench/tune_backward.py [--dims 64,128,256] [--seq 4096] [--configs all|short]
+
+For each head dim it times forward+backward of causal bf16 attention with flexattn's
+backward tiles pinned through kernel_options (``bwd_BLOCK_M1`` ... ``bwd_num_stages``;
+the forward keeps its defaults), and torch's compiled flex_attention with its defaults,
+and prints the TFLOP/s of each configuration, best first. The ``DEFAULTS`` table of
+flexattn/lowering/backward_configs.py is chosen from these readings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+import triton.testing
+from torch.nn.attention import flex_attention as torch_flex
+
+import flexattn
+from flexattn import mods
+
+
+def candidates(dim: int, exhaustive: bool) -> list[tuple[int, int, int, int, int, int]]:
+    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) to try at ``dim``."""
+    if dim <= 64:
+        tiles = [(64, 128, 128, 64), (32, 128, 128, 32), (64, 64, 64, 64)]
+    elif dim <= 128:
+        tiles = [(64, 128, 128, 64), (32, 128, 128, 32), (64, 64, 64, 64), (32, 64, 64, 32)]
+    else:
+        tiles = [(32, 64, 64, 32), (64, 64, 64, 64), (16, 64, 64, 16), (32, 128, 128, 32),
+                 (64, 64, 64, 32), (32, 64, 64, 64)]
+    warps = (4, 8)
+    stages = (1, 2, 3) if exhaustive or dim > 128 else (2, 3)
+    return [(*t, w, s) for t, w, s in itertools.product(tiles, warps, stages)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dims", default="64,128,256")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=16384,
+                        help="batch = tokens // seq (// 2 at D=256, as in the benchmark)")
+    parser.add_argument("--exhaustive", action="store_true")
+    parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
+    args = parser.parse_args()
+    S, H = args.seq, args.heads
+    # Each pinned configuration is a recompile of the same frame.
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 10_000)
+    ours = torch.compile(flexattn.flex_attention, fullgraph=True)
+    theirs = torch.compile(torch_flex.flex_attention, fullgraph=True)
+    bm = flexattn.create_block_mask(mods.causal_mask, None, None, S, S, device="cuda")
+    tbm = torch_flex.create_block_mask(mods.causal_mask, None, None, S, S, device="cuda")
+    start = time.time()
+    summary = []
+    for dim in (int(d) for d in args.dims.split(",")):
+        B = max(1, args.tokens // S // (2 if dim > 128 else 1))
+        q, k, v = (torch.randn(B, H, S, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        dout = torch.randn(B, H, S, dim, device="cuda", dtype=torch.bfloat16)
+        flops = 3.5 * 4 * B * H * S * S * dim * 0.5
+
+        def fwd_bwd(fn, **kw):
+            def run():
+                out = fn(q, k, v, **kw)
+                torch.autograd.grad(out, (q, k, v), dout)
+            return run
+
+        ms = triton.testing.do_bench(fwd_bwd(theirs, block_mask=tbm), warmup=25, rep=100, return_mode="median")
+        torch_tflops = flops / ms / 1e9
+        print(f"D={dim} B={B}: torch flex {torch_tflops:.0f} TFLOP/s", flush=True)
+        rows = []
+        for m1, n1, m2, n2, w, s in candidates(dim, args.exhaustive):
+            if time.time() - start > args.budget:
+                print("  budget spent; stopping", flush=True)
+                break
+            opts = dict(bwd_BLOCK_M1=m1, bwd_BLOCK_N1=n1, bwd_BLOCK_M2=m2, bwd_BLOCK_N2=n2,
+                        bwd_num_warps=w, bwd_num_stages=s)
+            name = f"{m1}/{n1}/{m2}/{n2} w{w} s{s}"
+            try:
+                ms = triton.testing.do_bench(fwd_bwd(ours, block_mask=bm, kernel_options=opts),
+                                             warmup=25, rep=100, return_mode="median")
+            except Exception as exc:  # a config the compiler rejects is skipped, not fatal
+                print(f"  skip {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
+                continue
+            rows.append((flops / ms / 1e9, name))
+            print(f"  {name}: {rows[-1][0]:.0f} TFLOP/s ({rows[-1][0] / torch_tflops:.2f}x)", flush=True)
+        rows.sort(key=lambda r: -r[0])
+        for tflops, name in rows[:3]:
+            summary.append(f"| {dim} | {name} | {tflops:.0f} | {torch_tflops:.0f} | {tflops / torch_tflops:.2f} |")
+    print("\n| D | bwd config M1/N1/M2/N2 | flexattn TFLOP/s | torch flex | ratio |")
+    print("|---|---|---|---|---|")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
