@@ -34,6 +34,6 @@ for path in sys.argv[1:]:
         attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_idx}
         try:
             k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-            print("OK  ", path, name, warps, stages)
+            print("OK  ", path, name, warps, stages, "shared", k.metadata.shared)
         except Exception as e:
             print("FAIL", path, name, warps, stages, str(e).splitlines()[-1][:200])

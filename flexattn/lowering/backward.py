@@ -52,7 +52,8 @@ from . import backward_configs as bcfgs
 from .configs import shared_memory_limit
 from .dense import _example, _lower_graph, _static, broadcastable_mod, dense_attention
 from .forward import as_tensor_boxes, broadcast_to, captured_for_kernel, realize_fixed, use_triton_template
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod
+from .subgraph import (MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, depends_on, gathered_tile_bytes,
+                       is_identity_score_mod)
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -247,19 +248,6 @@ def _scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device,
     return buffer.data.inner_fn
 
 
-def _depends_on(node: torch.fx.Node, targets: set) -> bool:
-    """Whether ``node`` is computed from any of the fx nodes ``targets``."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in targets:
-            return True
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return False
-
-
 @dataclass
 class BufferGradPlan:
     """How the backward kernel produces the gradients of captured tensors.
@@ -322,7 +310,7 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device) -> Buff
             sizes = list(buf.get_size())
             terms_of[i] = scatter_terms(node, len(sizes), f"captured tensor #{i} of score_mod")
             reducible[i] = all(isinstance(s, (int, sympy.Integer)) for s in sizes) and not any(
-                _depends_on(idx, per_pair) for t in terms_of[i] for idx in t.indices)
+                depends_on(idx, per_pair) for t in terms_of[i] for idx in t.indices)
 
     offsets, total = {}, 0
     for i in terms_of:
@@ -468,8 +456,8 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
         full_kv_num_blocks, full_kv_indices, full_q_num_blocks, full_q_indices = (
             realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device)) for _ in range(4))
 
-    score_mod_buffers = [captured_for_kernel(b, device) for b in score_mod_buffers]
-    mask_mod_buffers = [captured_for_kernel(b, device) for b in mask_mod_buffers]
+    score_mod_buffers = [captured_for_kernel(b, query) for b in score_mod_buffers]
+    mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
     captured = as_tensor_boxes(score_mod_buffers)
     has_score_mod = not is_identity_score_mod(fw_graph.graph_module)
     score_buffer = build_mod_buffer(fw_graph.graph_module, SCORE_MOD_ARGS, dtype, device, captured, "score_mod")
@@ -507,7 +495,9 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     usable = bcfgs.usable_configs(
         candidates, kernel_options, sparse_q=sparse_q, sparse_kv=sparse_kv,
         qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"],
-        elem_bytes=torch.empty((), dtype=dtype).element_size(), smem_limit=shared_memory_limit(device))
+        elem_bytes=torch.empty((), dtype=dtype).element_size(), smem_limit=shared_memory_limit(device),
+        gathered_bytes=(gathered_tile_bytes(fw_graph.graph_module, len(SCORE_MOD_ARGS))
+                        + gathered_tile_bytes(mask_graph.graph_module, len(MASK_MOD_ARGS))))
 
     input_nodes = [query, key, value, logsumexp, delta, grad_out, grad_query, grad_value,
                    kv_num_blocks, kv_indices, q_num_blocks, q_indices,

@@ -15,7 +15,8 @@ dtype width) from ``DEFAULTS``, plus ``AUTOTUNE_CANDIDATES`` under
 ``bwd_num_warps``, ``bwd_num_stages`` (the unprefixed ``BLOCK_M1`` ... ``BLOCK_N2``,
 ``num_warps``, ``num_stages`` pin them too; a ``bwd_`` key wins over its unprefixed
 twin). ``usable_configs`` shrinks unpinned tiles to divide the BlockMask's block sizes,
-drops configs over the shared-memory limit, and raises ``ConfigError`` when a pinned
+steps configs over the shared-memory limit down (fewer stages, then narrower loop
+steps) or drops them, and raises ``ConfigError`` when a pinned
 value breaks a constraint.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .configs import MIN_TILE, ConfigError, gpu_generation, head_dim_bucket
+from .configs import MIN_TILE, ConfigError, fit_to_shared_memory, gpu_generation, head_dim_bucket
 
 
 @dataclass(frozen=True)
@@ -120,13 +121,16 @@ def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.d
     return out
 
 
-def shared_memory_estimate(cfg: BackwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int) -> int:
+def shared_memory_estimate(cfg: BackwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int,
+                           gathered_bytes: int = 0) -> int:
     """Bytes of the larger program kind: its resident tiles plus num_stages buffered
-    tiles of the loop operand (Q and dO for dK/dV programs, K and V for dQ programs)."""
+    tiles of the loop operand (Q and dO for dK/dV programs, K and V for dQ programs),
+    plus the mods' score-shaped gathers buffered for each extra stage."""
     row = qk_dim_pad + v_dim_pad
-    dkv = cfg.block_n1 * row + cfg.num_stages * cfg.block_m1 * row
-    dq = cfg.block_m2 * row + cfg.num_stages * cfg.block_n2 * row
-    return elem_bytes * max(dkv, dq)
+    extra = (cfg.num_stages - 1) * gathered_bytes
+    dkv = elem_bytes * (cfg.block_n1 * row + cfg.num_stages * cfg.block_m1 * row) + extra * cfg.block_n1 * cfg.block_m1
+    dq = elem_bytes * (cfg.block_m2 * row + cfg.num_stages * cfg.block_n2 * row) + extra * cfg.block_m2 * cfg.block_n2
+    return max(dkv, dq)
 
 
 def fit_to_sparse_blocks(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> BackwardConfig | None:
@@ -145,7 +149,7 @@ def fit_to_sparse_blocks(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> 
 
 def usable_configs(candidates: list[BackwardConfig], kernel_options: dict[str, Any], *,
                    sparse_q: int, sparse_kv: int, qk_dim_pad: int, v_dim_pad: int,
-                   elem_bytes: int, smem_limit: int | None) -> list[BackwardConfig]:
+                   elem_bytes: int, smem_limit: int | None, gathered_bytes: int = 0) -> list[BackwardConfig]:
     """The candidates that satisfy every constraint (see the module docstring)."""
     pinned = pinned_fields(kernel_options)
     limits = {"block_m1": ("Q", sparse_q), "block_n1": ("KV", sparse_kv),
@@ -165,7 +169,10 @@ def usable_configs(candidates: list[BackwardConfig], kernel_options: dict[str, A
         fitted = fit_to_sparse_blocks(cfg, sparse_q, sparse_kv)
         if fitted is None:
             continue
-        if smem_limit is not None and shared_memory_estimate(fitted, qk_dim_pad, v_dim_pad, elem_bytes) > smem_limit:
+        fitted = fit_to_shared_memory(
+            fitted, lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes),
+            smem_limit, pinned, steps=(("num_stages", 1), ("block_m1", MIN_TILE), ("block_n2", MIN_TILE)))
+        if fitted is None:
             continue
         if fitted not in usable:
             usable.append(fitted)

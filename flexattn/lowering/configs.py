@@ -117,11 +117,28 @@ def shared_memory_limit(device: torch.device) -> int | None:
     return getattr(props, "shared_memory_per_block_optin", None) or None
 
 
-def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int) -> int:
-    """The Q tile plus num_stages buffered K and V tiles, in bytes."""
+def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int,
+                           gathered_bytes: int = 0) -> int:
+    """The Q tile plus num_stages buffered K and V tiles, plus the score-shaped gathers
+    of the mods (``gathered_bytes`` per element, see ``subgraph.gathered_tile_bytes``)
+    buffered for each extra stage, in bytes."""
     q_tile = cfg.block_m * qk_dim_pad
     kv_stage = cfg.block_n * (qk_dim_pad + v_dim_pad)
-    return elem_bytes * (q_tile + cfg.num_stages * kv_stage)
+    gathers = (cfg.num_stages - 1) * cfg.block_m * cfg.block_n * gathered_bytes
+    return elem_bytes * (q_tile + cfg.num_stages * kv_stage) + gathers
+
+
+def fit_to_shared_memory(cfg, estimate, limit: int | None, pinned: dict[str, int], steps):
+    """Step ``cfg`` down until ``estimate(cfg) <= limit``: each of ``steps`` (field,
+    floor) in turn, fields the user pinned excepted; num_stages drops by one, tiles
+    halve. None when nothing fits. Used by the forward and the backward tables."""
+    if limit is None:
+        return cfg
+    for field, floor in steps:
+        while estimate(cfg) > limit and field not in pinned and getattr(cfg, field) > floor:
+            value = getattr(cfg, field)
+            cfg = dataclasses.replace(cfg, **{field: value - 1 if field == "num_stages" else value // 2})
+    return cfg if estimate(cfg) <= limit else None
 
 
 def pinned_fields(kernel_options: dict[str, Any]) -> dict[str, int]:
@@ -176,12 +193,14 @@ def usable_configs(
     v_dim_pad: int,
     elem_bytes: int,
     smem_limit: int | None,
+    gathered_bytes: int = 0,
 ) -> list[ForwardConfig]:
     """The candidates that satisfy every constraint.
 
     Unpinned tiles that do not divide the BlockMask's block sizes are shrunk to fit;
-    configs over the shared-memory limit are dropped. A pinned tile or stage count that
-    breaks a constraint raises ``ConfigError``.
+    configs over the shared-memory limit get fewer stages, then a narrower BLOCK_N
+    (unless pinned), and are dropped if that is not enough. A pinned tile or stage count
+    that breaks a constraint raises ``ConfigError``.
     """
     pinned = pinned_fields(kernel_options)
     for field, limit in (("block_m", sparse_q), ("block_n", sparse_kv)):
@@ -198,7 +217,10 @@ def usable_configs(
         fitted = fit_to_sparse_blocks(cfg, sparse_q, sparse_kv)
         if fitted is None:
             continue
-        if smem_limit is not None and shared_memory_estimate(fitted, qk_dim_pad, v_dim_pad, elem_bytes) > smem_limit:
+        fitted = fit_to_shared_memory(
+            fitted, lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes),
+            smem_limit, pinned, steps=(("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n", MIN_TILE)))
+        if fitted is None:
             continue
         if fitted not in usable:
             usable.append(fitted)

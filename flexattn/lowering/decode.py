@@ -332,8 +332,8 @@ def lower_to_decode_template(
         full_kv_num_blocks = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
         full_kv_indices = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
 
-    score_mod_buffers = [captured_for_kernel(b, device) for b in score_mod_buffers]
-    mask_mod_buffers = [captured_for_kernel(b, device) for b in mask_mod_buffers]
+    score_mod_buffers = [captured_for_kernel(b, query) for b in score_mod_buffers]
+    mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
     has_score_mod = not is_identity_score_mod(score_mod.graph_module)
     score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
                                     as_tensor_boxes(score_mod_buffers), "score_mod")

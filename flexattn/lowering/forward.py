@@ -31,13 +31,13 @@ from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.lowering import empty_strided, expand
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
-from torch._inductor.virtualized import V
+from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, Mod
 
 from .. import _compat
 from ..templates import kernel_source
 from . import configs as cfgs
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod
+from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, gathered_tile_bytes, is_identity_score_mod
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -126,17 +126,26 @@ def realize_fixed(node):
     return node
 
 
-def captured_for_kernel(node, device: torch.device):
-    """A captured tensor of a mod, realized for a Triton template on ``device``.
+def captured_for_kernel(node, query):
+    """A captured tensor of a mod, realized for a Triton template running on the
+    query's device.
 
-    Inductor passes a 0-d CPU tensor (e.g. a closed-over float that Dynamo lifted to an
-    input after a recompile) to Triton kernels as a Python scalar, which a template cannot
-    ``tl.load``. Such a tensor is first copied by a pointwise kernel into a 0-d buffer on
-    ``device``; on a CPU device the copy is an ordinary buffer, passed as a pointer.
+    Inductor passes a 0-d CPU tensor to Triton kernels as a Python scalar, which a
+    template cannot ``tl.load``. Dynamo makes one of a Python float that a mod closes
+    over, once the float has changed between calls (a float64 "unspecialized" input).
+    Such a tensor is first copied by a pointwise kernel into a 0-d buffer on the
+    query's device (on a CPU device, an ordinary buffer passed as a pointer). A float64
+    one is copied as float32 unless the query is float64: inside the mod every value
+    is 0-d, so a float64 scalar would otherwise promote the whole score computation
+    (as a Python float does not).
     """
     if isinstance(node, ir.IRNode) and not node.get_size() and node.get_device().type == "cpu":
-        node = ir.Pointwise.create(device=device, dtype=node.get_dtype(), inner_fn=node.make_loader(),
-                                   ranges=[])
+        dtype = node.get_dtype()
+        if dtype == torch.float64 and query.get_dtype() != torch.float64:
+            dtype = torch.float32
+        loader = node.make_loader()
+        node = ir.Pointwise.create(device=query.get_device(), dtype=dtype,
+                                   inner_fn=lambda index: ops.to_dtype(loader(index), dtype), ranges=[])
     return realize_fixed(node)
 
 
@@ -285,8 +294,8 @@ def lower_to_template(
         full_kv_num_blocks = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
         full_kv_indices = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
 
-    score_mod_buffers = [captured_for_kernel(b, device) for b in score_mod_buffers]
-    mask_mod_buffers = [captured_for_kernel(b, device) for b in mask_mod_buffers]
+    score_mod_buffers = [captured_for_kernel(b, query) for b in score_mod_buffers]
+    mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
     has_score_mod = not is_identity_score_mod(score_mod.graph_module)
     score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
                                     as_tensor_boxes(score_mod_buffers), "score_mod")
@@ -311,6 +320,8 @@ def lower_to_template(
         qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"],
         elem_bytes=torch.empty((), dtype=dtype).element_size(),
         smem_limit=cfgs.shared_memory_limit(device),
+        gathered_bytes=(gathered_tile_bytes(score_mod.graph_module, len(SCORE_MOD_ARGS))
+                        + gathered_tile_bytes(mask_graph.graph_module, len(MASK_MOD_ARGS))),
     )
 
     input_nodes = [query, key, value, lse, row_max, kv_num_blocks, kv_indices,

@@ -95,6 +95,40 @@ def build_mod_buffer(
     return buffer
 
 
+def depends_on(node: torch.fx.Node, targets: set) -> bool:
+    """Whether the fx ``node`` is computed from any of the nodes ``targets``."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def gathered_tile_bytes(graph_module: torch.fx.GraphModule, n_scalar_args: int) -> int:
+    """Bytes per score-tile element that a mod reads from its captured tensors at an
+    index depending on both q_idx and kv_idx (a bias table ``bias[h, q_idx - kv_idx]``).
+
+    Triton's loop pipeliner stages such a gather in shared memory like the K and V
+    tiles, one tile per extra stage, so it counts toward a configuration's shared-memory
+    estimate. ``n_scalar_args``: the mod's scalar arguments before its captured tensors
+    (q_idx and kv_idx are the last two of them).
+    """
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    q_idx, kv_idx = placeholders[n_scalar_args - 2], placeholders[n_scalar_args - 1]
+    total = 0
+    for buffer in placeholders[n_scalar_args:]:
+        example = buffer.meta.get("val")
+        size = example.element_size() if isinstance(example, torch.Tensor) else 4
+        for user in buffer.users:
+            if depends_on(user, {q_idx}) and depends_on(user, {kv_idx}):
+                total += size
+    return total
+
+
 def is_identity_score_mod(graph_module: torch.fx.GraphModule) -> bool:
     """True when the score_mod graph returns its first argument unchanged."""
     nodes = list(graph_module.graph.nodes)
