@@ -8,6 +8,10 @@ offset S-1). Implementations side by side in one run:
 * ``flexattn``     ``torch.compile(flexattn.flex_attention)`` (the split-KV decode kernel)
 * ``flexattn_main`` the same with ``kernel_options={"FORCE_DECODE": False}`` (main kernel;
   ``--with-main``)
+* ``flexattn_paged`` the same shapes and values with the KV cache in a
+  ``flexattn.PagedKVCache``: pages of ``--page-size`` tokens (128), each sequence's pages
+  scattered over the pool in random order, the BlockMask translated onto the pages
+  (``block_mask_on_pages``); ``--no-paged`` skips it
 * ``torch_flex``   ``torch.compile(torch.nn.attention.flex_attention.flex_attention)``
 * ``sdpa``         ``scaled_dot_product_attention(..., enable_gqa=True)``, default backend
   choice (no-mask cases only: SDPA has no sliding window)
@@ -17,11 +21,13 @@ Each cell: median ms with ``triton.testing.do_bench`` (launch overhead included)
 skips it), the bytes that must be read (the visible K/V rows plus q and out) and the
 achieved bandwidth as a fraction of the device copy bandwidth measured at the start of
 the run, and the largest |difference| of the output from a float32 reference. Ratios
-flexattn / torch_flex and flexattn / sdpa per case (> 1 means flexattn is faster).
+flexattn / torch_flex and flexattn / sdpa per case (> 1 means flexattn is faster), and
+paged / contiguous: the time of flexattn_paged over flexattn's (the target is <= 1.05).
 
     python bench/bench_decode.py                          # the whole suite (~5-8 min)
     python bench/bench_decode.py --batches 1 --kv 32768   # a slice
     python bench/bench_decode.py --split-kv 16,32,64      # flexattn at pinned SPLIT_KV values
+    python bench/bench_decode.py --page-size 64           # paged variant with pages of 64 tokens
     python bench/bench_decode.py --dry-run                # CPU, tiny shapes, seconds
 
 Writes ``decode-<gpu>-<date>.json`` and ``.md`` under ``--out`` (default bench/results).
@@ -84,6 +90,38 @@ def window_mask(offset: int, window: int):
         pos = q_idx + offset
         return (pos >= kv_idx) & (pos - kv_idx < window)
     return decode_window
+
+
+def logical_block_mask(case: Case, page: int, device: torch.device) -> flexattn.BlockMask:
+    """The case's mask over logical positions with KV blocks of one page: for no mask,
+    every block full (as flex_attention's default mask); for the window, the same
+    create_block_mask call as the contiguous run, with KV_BLOCK_SIZE = page."""
+    q_block = flexattn.block_mask.DEFAULT_BLOCK_SIZE
+    if case.window is None:
+        n = math.ceil(case.S / page)
+        order = torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n)
+        return flexattn.BlockMask.from_kv_blocks(
+            torch.zeros(1, 1, 1, dtype=torch.int32, device=device), order,
+            torch.full((1, 1, 1), n, dtype=torch.int32, device=device), order,
+            BLOCK_SIZE=(q_block, page), seq_lengths=(1, case.S))
+    return flexattn.create_block_mask(window_mask(case.S - 1, case.window), None, None, 1, case.S,
+                                      device=device, BLOCK_SIZE=(q_block, page))
+
+
+def paged_inputs(case: Case, k: torch.Tensor, v: torch.Tensor, page: int):
+    """k, v (B, Hkv, S, D) copied into a paged pool whose pages are handed out in random
+    order; returns (k_pool, v_pool, paged BlockMask)."""
+    device = k.device
+    pages_per_sequence = math.ceil(case.S / page)
+    cache = flexattn.PagedKVCache(case.B * pages_per_sequence, page, case.B, device=device)
+    cache.shuffle_free_pages(torch.Generator().manual_seed(SEED))
+    k_pool, v_pool = cache.allocate(case.Hkv, case.D, k.dtype)
+    positions = torch.arange(case.S, device=device)[None]
+    for b in range(case.B):
+        cache.reserve(b, case.S)
+        cache.append([b], positions, k[b:b + 1], v[b:b + 1], k_pool, v_pool)
+    slots = torch.arange(case.B, device=device)
+    return k_pool, v_pool, cache.block_mask_on_pages(logical_block_mask(case, page, device), slots)
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
@@ -153,6 +191,11 @@ def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]
         compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
         impls.append(("flexattn_main", lambda c=compiled: c(q, k, v, block_mask=masks["flexattn"], enable_gqa=True,
                                                             kernel_options={"FORCE_DECODE": False})))
+    if not args.no_paged:
+        k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size)
+        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
+        impls.append(("flexattn_paged", lambda c=compiled: c(q, k_pool, v_pool, block_mask=paged_mask,
+                                                             enable_gqa=True)))
     compiled_torch = torch.compile(torch_flex.flex_attention, fullgraph=True, backend=args.compile_backend)
     impls.append(("torch_flex", lambda: compiled_torch(q, k, v, block_mask=masks["torch_flex"], enable_gqa=True)))
     if case.window is None:
@@ -194,9 +237,10 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
     lines = [f"Decode suite on {gpu}; copy bandwidth "
              f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else f"Decode suite on {gpu}",
              "", "ms (cuda-graph ms) [fraction of copy bandwidth] per impl; ratios from the graph times "
-             "when present (> 1: flexattn faster)", "",
-             "| case | " + " | ".join(impls) + " | flexattn/torch_flex | flexattn/sdpa |",
-             "| --- |" + " --- |" * (len(impls) + 2)]
+             "when present (> 1: flexattn faster); paged/contiguous: flexattn_paged's time over "
+             "flexattn's (target <= 1.05)", "",
+             "| case | " + " | ".join(impls) + " | flexattn/torch_flex | flexattn/sdpa | paged/contiguous |",
+             "| --- |" + " --- |" * (len(impls) + 3)]
 
     def best(r):
         if r is None or "error" in r:
@@ -222,6 +266,8 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
         for other in ("torch_flex", "sdpa"):
             theirs = best(cells.get(other))
             row.append(f"{theirs / ours:.2f}x" if ours and theirs else "")
+        paged = best(cells.get("flexattn_paged"))
+        row.append(f"{paged / ours:.3f}" if ours and paged else "")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -234,6 +280,9 @@ def parse_args(argv):
     p.add_argument("--split-kv", default="", help="comma list: time flexattn at these pinned SPLIT_KV values")
     p.add_argument("--with-main", action="store_true", help="also time flexattn's main kernel (FORCE_DECODE=False)")
     p.add_argument("--no-cudagraph", action="store_true")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per page of the paged variant (default 128; 16 in the dry run)")
+    p.add_argument("--no-paged", action="store_true", help="skip the paged-KV-cache variant")
     p.add_argument("--compile-backend", default=None)
     p.add_argument("--cpu-reps", type=int, default=1)
     p.add_argument("--out", default=None)
@@ -249,6 +298,7 @@ def main(argv=None) -> dict[str, Any]:
         device, dtype = torch.device("cpu"), torch.float32
         cases = [Case(B, 4, 2, 300, 16, w) for w in (None, 64) for B in (1, 2)]
         args.compile_backend = args.compile_backend or "eager"
+        args.page_size = args.page_size or 16
         out_dir = Path(args.out) if args.out else RESULTS_DIR / "dry-run"
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
@@ -256,6 +306,7 @@ def main(argv=None) -> dict[str, Any]:
         cases = [c for c in suite([int(b) for b in args.batches.split(",")], [int(s) for s in args.kv.split(",")])
                  if ("window" if c.window else "nomask") in masks]
         args.compile_backend = args.compile_backend or "inductor"
+        args.page_size = args.page_size or 128
         out_dir = Path(args.out) if args.out else RESULTS_DIR
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bandwidth = copy_bandwidth(device)

@@ -166,6 +166,12 @@ class PagedKVCache:
         self.owner_page[slot] = -1
         pages.clear()
 
+    def shuffle_free_pages(self, generator: torch.Generator | None = None) -> None:
+        """Hand out the free pages in a random order from now on (tests and benchmarks:
+        a sequence's pages then lie scattered over the pool, as in a long-running server)."""
+        order = torch.randperm(len(self._free), generator=generator).tolist()
+        self._free = [self._free[i] for i in order]
+
     def allocate(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
                  value_head_dim: int | None = None) -> tuple[Tensor, Tensor]:
         """Zero-filled pool tensors ``(k_cache, v_cache)`` of shape
@@ -266,6 +272,9 @@ class PagedKVCache:
         """
         slots = self._as_slots(slots, validate)
         self._check_positions(positions, slots.shape[0])
+        return self._pool_positions(slots, positions, validate)
+
+    def _pool_positions(self, slots: Tensor, positions: Tensor, validate: bool) -> Tensor:
         positions = positions.long()
         logical_page = torch.div(positions, self.page_size, rounding_mode="floor")
         in_table = (positions >= 0) & (logical_page < self.n_pages)
@@ -300,7 +309,7 @@ class PagedKVCache:
         self._check_positions(positions, slots.shape[0])
         B, L = positions.shape
         self._check_new_tokens(k, v, k_cache, v_cache, B, L)
-        where = self.pool_positions(slots, positions, validate=validate).reshape(-1)
+        where = self._pool_positions(slots, positions, validate).reshape(-1)
         if _values_checked(validate) and where.unique().numel() != where.numel():
             raise ValueError(f"flexattn: PagedKVCache positions must not repeat a position within a slot, "
                              f"got {positions.tolist()}")
@@ -326,13 +335,19 @@ class PagedKVCache:
         if not callable(mask_mod) or _required_positional_count(mask_mod) not in (4, None):
             raise TypeError(f"flexattn: PagedKVCache mask_mod must be a callable (b, h, q_idx, kv_idx), "
                             f"got {mask_mod!r}")
-        slots = self._as_slots(slots, validate)
+        return self._paged_mask_mod(mask_mod, self._as_slots(slots, validate), None)
+
+    def _paged_mask_mod(self, mask_mod: Callable, slots: Tensor, kv_len: Tensor | None) -> Callable:
+        """The mask over pool positions; with ``kv_len`` (B,) also logical kv_idx < kv_len[b]."""
         owner_page, page_size = self.owner_page, self.page_size
 
         def paged_mask_mod(b, h, q_idx, kv_idx):
             logical_page = _lookup(owner_page, _lookup(slots, b), kv_idx // page_size)
             logical = logical_page * page_size + kv_idx % page_size
-            return (logical_page >= 0) & mask_mod(b, h, q_idx, logical.clamp(min=0))
+            visible = (logical_page >= 0) & mask_mod(b, h, q_idx, logical.clamp(min=0))
+            if kv_len is not None:
+                visible = visible & (logical < _lookup(kv_len, b))
+            return visible
 
         paged_mask_mod.__name__ = f"paged_{getattr(mask_mod, '__name__', 'mask_mod')}"
         return paged_mask_mod
@@ -363,10 +378,17 @@ class PagedKVCache:
         ``block_mask`` has batch 1 or B, any heads, Q_LEN = the query length, KV_LEN up to
         ``pool_length`` (typically the longest sequence), and KV block size equal to
         ``page_size``: ``create_block_mask(mask_mod, B, None, L, max_len,
-        BLOCK_SIZE=(q_block, cache.page_size))``. Each listed logical block becomes the
-        physical page that holds it, in the same order, partial and full blocks alike;
-        a listed block beyond the slot's reserved pages holds no tokens and is dropped.
-        The mask_mod is wrapped by ``mask_mod_on_pages``.
+        BLOCK_SIZE=(q_block, cache.page_size))``.
+
+        The attention it gives on the pool is the attention the logical mask gives on a
+        contiguous (B, Hkv, KV_LEN, D) cache holding each slot's tokens: each listed
+        logical block becomes the physical page that holds it (partial and full blocks
+        alike, in the same order); a block beyond the slot's reserved pages, or at or
+        beyond KV_LEN, is dropped; a full block that KV_LEN cuts becomes partial; and the
+        mask_mod (wrapped as by ``mask_mod_on_pages``) also masks logical positions at or
+        beyond KV_LEN. Positions of a reserved page that were never written are as
+        visible as the logical mask makes them: the mask must exclude positions at or
+        beyond each sequence's length (a causal mask with the sequence's offset does).
 
         The result always has ``n_pages`` columns and KV_LEN = ``pool_length``, whatever
         the logical KV length, so that growing sequences keep its shapes (no recompile).
@@ -390,38 +412,53 @@ class PagedKVCache:
             raise ValueError(f"flexattn: PagedKVCache block_mask must have batch 1 or len(slots) = {B}, "
                              f"got {block_mask.kv_num_blocks.shape[0]}")
         self._check_device("block_mask", block_mask.kv_num_blocks)
-        if block_mask.seq_lengths[1] > self.pool_length:
-            raise ValueError(f"flexattn: PagedKVCache block_mask's KV length {block_mask.seq_lengths[1]} exceeds "
-                             f"the pool's {self.pool_length} tokens; no sequence can be that long")
+        q_len, kv_len = block_mask.seq_lengths
+        if kv_len > self.pool_length:
+            raise ValueError(f"flexattn: PagedKVCache block_mask's KV length {kv_len} exceeds the pool's "
+                             f"{self.pool_length} tokens; no sequence can be that long")
         tables = self.page_table[slots.long()]                   # (B, n_pages)
+        page = self.page_size
 
-        def to_pages(num: Tensor | None, idx: Tensor | None):
-            if num is None:
-                return None, None
+        def listed(num: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+            """(logical block ids (B, H, QB, W) int64, listed flags) of one block list."""
+            idx = idx.expand(B, *idx.shape[1:]).long()
             num = num.expand(B, *num.shape[1:])
-            idx = idx.expand(B, *idx.shape[1:]).long()            # (B, H, QB, W) logical blocks
-            H, QB, W = idx.shape[1:]
-            listed = torch.arange(W, device=idx.device) < num[..., None]
-            physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, self.n_pages), 3,
-                                    idx.clamp(0, self.n_pages - 1))
-            keep = listed & (physical >= 0) & (idx < self.n_pages)
-            # Each row of the result is a permutation of the pages (the BlockMask layout):
-            # the kept pages first, in their listed order, then the others by page id.
-            # Sort keys: list position j for a kept page, n_pages + page id for the rest;
-            # entries not kept are scattered into a scratch column that is dropped.
-            pages = torch.arange(self.n_pages, device=idx.device)
-            key = (pages + self.n_pages).expand(B, H, QB, self.n_pages)
-            key = torch.cat([key, key.new_zeros(B, H, QB, 1)], dim=-1)
-            target = torch.where(keep, physical, self.n_pages)
-            position = torch.arange(W, device=idx.device).expand(B, H, QB, W)
-            key = key.scatter(-1, target, position)[..., :self.n_pages]
-            order = torch.argsort(key, dim=-1).to(torch.int32)
-            return keep.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()
+            return idx, torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
 
-        kv_num, kv_idx = to_pages(block_mask.kv_num_blocks, block_mask.kv_indices)
-        full_num, full_idx = to_pages(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+        partial_idx, partial_keep = listed(block_mask.kv_num_blocks, block_mask.kv_indices)
+        partial_keep = partial_keep & (partial_idx * page < kv_len)
+        if block_mask.full_kv_num_blocks is not None:
+            full_idx, full_listed = listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+            whole = (full_idx + 1) * page <= kv_len
+            cut = full_listed & ~whole & (full_idx * page < kv_len)   # KV_LEN ends inside it
+            full_num, full_order = self._page_lists(tables, full_idx, full_listed & whole)
+            kv_num, kv_order = self._page_lists(tables, torch.cat([partial_idx, full_idx], dim=-1),
+                                                torch.cat([partial_keep, cut], dim=-1))
+        else:
+            full_num = full_order = None
+            kv_num, kv_order = self._page_lists(tables, partial_idx, partial_keep)
+        limit = torch.full((B,), kv_len, dtype=torch.int64, device=self.device)
         return BlockMask.from_kv_blocks(
-            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block),
-            mask_mod=self.mask_mod_on_pages(block_mask.mask_mod, slots, validate=False),
-            seq_lengths=(block_mask.seq_lengths[0], self.pool_length),
+            kv_num, kv_order, full_num, full_order, BLOCK_SIZE=(q_block, kv_block),
+            mask_mod=self._paged_mask_mod(block_mask.mask_mod, slots, limit),
+            seq_lengths=(q_len, self.pool_length),
         )
+
+    def _page_lists(self, tables: Tensor, idx: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """Block lists over the pages: ``idx`` (B, H, QB, M) logical block ids, ``keep``
+        which of them to list. Returns (num (B, H, QB) int32, indices (B, H, QB, n_pages)
+        int32), each index row a permutation of the pages (the BlockMask layout): the kept
+        ones' physical pages first, in their order, then the other pages by id. A logical
+        block the slot does not own is not kept."""
+        B, H, QB, M = idx.shape
+        n = self.n_pages
+        physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, n), 3, idx.clamp(0, n - 1)).long()
+        keep = keep & (idx < n) & (physical >= 0)
+        # Sort keys: the list position for a kept page, M + page id for the others;
+        # entries not kept are scattered into a scratch column that is dropped.
+        pages = torch.arange(n, device=idx.device)
+        key = torch.cat([(pages + M).expand(B, H, QB, n), pages.new_zeros(B, H, QB, 1)], dim=-1)
+        position = torch.arange(M, device=idx.device).expand(B, H, QB, M)
+        key = key.scatter(-1, torch.where(keep, physical, n), position)[..., :n]
+        order = torch.argsort(key, dim=-1).to(torch.int32)
+        return keep.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()

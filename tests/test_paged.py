@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 import flexattn
 from flexattn import PagedKVCache, mods
@@ -32,6 +33,7 @@ from conftest import DEVICE
 
 ON_CUDA = DEVICE == "cuda"
 DECODE_MARK = "def attend_kv_steps("   # the decode kernel's inner loop
+MAIN_MARK = "def attend_kv_blocks("    # the main forward kernel's inner loop
 kernel = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
 
@@ -138,11 +140,12 @@ def paged_attention(cache, seqs, q, mask_mod, score_mod, *, q_block=16, options=
                                    enable_gqa=True, return_lse=True, kernel_options=options)
 
 
-def make_case(group: int, L: int, *, Hkv=2, E=16, page=16, lengths=(37, 101, 70), dtype=torch.float16,
+def make_case(group: int, L: int, *, Hkv=2, E=16, page=16, lengths=(36, 100, 70), dtype=torch.float16,
               window=48, seed=0, spare_pages=3):
     lengths = [n + L for n in lengths]
     n_pages = sum(-(-n // page) for n in lengths) + spare_pages
     cache = PagedKVCache(n_pages=n_pages, page_size=page, max_slots=5, device=DEVICE)
+    cache.shuffle_free_pages(torch.Generator().manual_seed(seed))   # pages in no particular order
     seqs = Sequences(cache, [3, 0, 4][:len(lengths)], lengths, Hkv, E, dtype, seed)
     Hq = Hkv * group
     q = torch.randn(len(lengths), Hq, L, E, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
@@ -317,10 +320,34 @@ def test_paged_matches_contiguous_dense_path(group, L):
 ], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8"])
 def test_paged_matches_contiguous_kernels(group, L, options):
     # Two sequences and one KV head keep the interpreter's work small.
-    cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=1, seed=group + L, lengths=(153, 70))
+    cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=1, seed=group + L, lengths=(152, 70))
     assert cache.pool_length >= 256             # long enough for the automatic decode choice
-    out, lse = paged_attention(cache, seqs, q, mask_mod, score_mod, options=options)
+    (out, lse), code = run_and_get_code(paged_attention, cache, seqs, q, mask_mod, score_mod, options=options)
+    mark = MAIN_MARK if options else DECODE_MARK
+    assert mark in "\n".join(code), f"{mark} is not in the generated code"
     seqs.check("paged", q, out, lse, mask_mod, score_mod)
+
+
+def test_logical_kv_length_bounds_the_keys():
+    """A hand-built logical mask of full blocks over KV_LEN = 37, not a multiple of the
+    page: on the pages, keys at logical positions >= 37 stay masked (the block KV_LEN
+    cuts becomes partial), as flex_attention masks keys beyond the key length. The
+    reserved but unwritten tail of the last page holds poison that would show."""
+    page, E = 16, 16
+    cache = PagedKVCache(n_pages=6, page_size=page, max_slots=2, device=DEVICE)
+    cache.shuffle_free_pages(torch.Generator().manual_seed(3))
+    seqs = Sequences(cache, [1], [37], 2, E, torch.float16, seed=3)
+    n = 3
+    order = torch.arange(n, dtype=torch.int32, device=DEVICE).view(1, 1, 1, n)
+    zero = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE)
+    full = flexattn.BlockMask.from_kv_blocks(zero, order, zero + n, order, BLOCK_SIZE=(16, page),
+                                             seq_lengths=(4, 37))
+    paged = cache.block_mask_on_pages(full, [1])
+    assert paged.full_kv_num_blocks.flatten().tolist() == [2] and paged.kv_num_blocks.flatten().tolist() == [1]
+    q = torch.randn(1, 4, 4, E, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float16)
+    out, lse = flexattn.flex_attention(q, seqs.k_cache, seqs.v_cache, block_mask=paged, enable_gqa=True,
+                                       return_lse=True)
+    seqs.check("full blocks", q, out, lse, flexattn.noop_mask, lambda score, b, h, q_idx, kv_idx: score)
 
 
 def test_mask_mod_on_pages_alone():
@@ -387,10 +414,14 @@ def _decode_steps(backend: str, steps: int, options=None):
         logical = flexattn.create_block_mask(window_mask, 2, None, 1, max(seqs.lengths), device=DEVICE,
                                              BLOCK_SIZE=(16, page))
         paged_mask = cache.block_mask_on_pages(logical, slots)
-        out, lse = step(q, torch.cat(k_new), torch.cat(v_new), seqs.k_cache, seqs.v_cache, slots,
-                        (seq_len - 1)[:, None], paged_mask)
+        args = (q, torch.cat(k_new), torch.cat(v_new), seqs.k_cache, seqs.v_cache, slots, (seq_len - 1)[:, None],
+                paged_mask)
+        if t == 0 and backend == "inductor":
+            (out, lse), code = run_and_get_code(step, *args)
+            assert DECODE_MARK in "\n".join(code), "the decode kernel did not run"
+        else:
+            out, lse = step(*args)
         seqs.check(f"step {t}", q, out, lse, window_mask, alibi_logical)
-    print({k: dict(v) for k, v in counters.items()})
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
