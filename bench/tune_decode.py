@@ -1,0 +1,78 @@
+"""Sweep the decode kernel's configurations on the GPU, beside SDPA.
+
+    python bench/tune_decode.py [--batches 1,8] [--kv 8192,32768] [--budget S]
+
+One query token at position S-1 against a KV cache of S tokens, 32 query heads on 8 KV
+heads, D=128, bf16, no mask. For each case it times (CUDA-graph replay, so launch gaps
+between the split and merge kernels count but Python overhead does not) SDPA with
+enable_gqa, and flexattn with each (SPLIT_KV, BLOCK_N, num_warps, num_stages) pinned
+through kernel_options, and prints the best configurations. The decode DEFAULTS and
+split heuristic of flexattn/lowering/decode.py are chosen from these readings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import flexattn
+
+HQ, HKV, D = 32, 8, 128
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--kv", default="8192,32768")
+    parser.add_argument("--splits", default="auto,16,32,64")
+    parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
+    args = parser.parse_args()
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 10_000)
+    ours = torch.compile(flexattn.flex_attention, fullgraph=True)
+    start = time.time()
+    summary = []
+    for B, S in itertools.product((int(b) for b in args.batches.split(",")), (int(s) for s in args.kv.split(","))):
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        sdpa_ms = triton.testing.do_bench_cudagraph(
+            lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), rep=50, return_mode="median")
+        print(f"B={B} S={S}: sdpa {sdpa_ms * 1e3:.1f} us", flush=True)
+        rows = []
+        for split, (bn, w), st in itertools.product(args.splits.split(","), ((64, 4), (128, 4), (128, 8)), (3, 4)):
+            if time.time() - start > args.budget:
+                break
+            opts = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+            if split != "auto":
+                opts["SPLIT_KV"] = int(split)
+            name = f"split={split} BLOCK_N={bn} w{w} s{st}"
+            try:
+                ours(q, k, v, kernel_options=opts)
+                ms = triton.testing.do_bench_cudagraph(lambda: ours(q, k, v, kernel_options=opts), rep=50,
+                                                       return_mode="median")
+            except Exception as exc:  # a config the compiler rejects is skipped, not fatal
+                print(f"  skip {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
+                continue
+            rows.append((ms, name))
+        rows.sort()
+        for ms, name in rows[:4]:
+            line = f"| {B} | {S} | {name} | {ms * 1e3:.1f} | {sdpa_ms * 1e3:.1f} | {sdpa_ms / ms:.2f} |"
+            summary.append(line)
+            print(line, flush=True)
+        auto = [r for r in rows if r[1].startswith("split=auto BLOCK_N=64 w4 s3")]
+        if auto:
+            summary.append(f"| {B} | {S} | default ({auto[0][1]}) | {auto[0][0] * 1e3:.1f} | {sdpa_ms * 1e3:.1f} | "
+                           f"{sdpa_ms / auto[0][0]:.2f} |")
+    print("\n| B | KV | config | flexattn us | sdpa us | flexattn/sdpa speed |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
