@@ -53,8 +53,8 @@ def main() -> None:
                 opts["SPLIT_KV"] = int(split)
             name = f"split={split} BLOCK_N={bn} w{w} s{st}"
             try:
-                ours(q, k, v, kernel_options=opts)
-                ms = triton.testing.do_bench_cudagraph(lambda: ours(q, k, v, kernel_options=opts), rep=50,
+                ours(q, k, v, kernel_options=opts, enable_gqa=True)
+                ms = triton.testing.do_bench_cudagraph(lambda: ours(q, k, v, kernel_options=opts, enable_gqa=True), rep=50,
                                                        return_mode="median")
             except Exception as exc:  # a config the compiler rejects is skipped, not fatal
                 print(f"  skip {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)

@@ -54,10 +54,13 @@ class BackwardConfig:
 # where bigger tiles mean fewer interpreted steps. sm90 16-bit D=256 was chosen with
 # bench/tune_backward.py on an H200 (causal, S=4096, B=2, H=16): 64/64/64/64 with 8 warps
 # and 2 stages gave 207 TFLOP/s fwd+bwd, against 92 for the old 32/64/64/32 w4 s1 and
-# 154 for torch's flex; 4 warps or 1 stage lost 20-40%.
+# 154 for torch's flex; 4 warps or 1 stage lost 20-40%. The same sweep at B=4: D=128
+# 64/64/64/64 w4 s2 366 TFLOP/s (64/128/128/64 w8 s2: 349; torch 362), D=64
+# 64/64/64/64 w4 s3 300 (64/128/128/64 w8 s3: 265; torch 280); 8 warps on 64x64 tiles
+# lose half.
 DEFAULTS: dict[tuple[str, int, str], BackwardConfig] = {
-    ("sm90", 64, "16bit"): BackwardConfig(64, 128, 128, 64, 8, 3),
-    ("sm90", 128, "16bit"): BackwardConfig(64, 128, 128, 64, 8, 2),
+    ("sm90", 64, "16bit"): BackwardConfig(64, 64, 64, 64, 4, 3),
+    ("sm90", 128, "16bit"): BackwardConfig(64, 64, 64, 64, 4, 2),
     ("sm90", 256, "16bit"): BackwardConfig(64, 64, 64, 64, 8, 2),
     ("sm90", 64, "fp32"): BackwardConfig(32, 64, 64, 32, 4, 2),
     ("sm90", 128, "fp32"): BackwardConfig(32, 64, 64, 32, 4, 1),
