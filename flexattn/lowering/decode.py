@@ -20,10 +20,12 @@ only affects speed, every choice is correct for every size):
   tile, at most ``MAX_TILE_ROWS`` rows. Heads are packed only when the BlockMask is the
   same for every head (its head dimension is 1): a tile walks one BlockMask row;
 * the number of splits (``split_count``): enough programs for ``PROGRAMS_PER_SM`` per
-  multiprocessor, at most one per ``MIN_STEPS_PER_SPLIT`` KV steps of a dense row, at
-  most ``MAX_SPLIT_KV``; ``kernel_options["SPLIT_KV"]`` pins it;
+  multiprocessor and at least ``MIN_SPLIT_KV``, at most one per ``MIN_STEPS_PER_SPLIT``
+  KV steps of a dense row, at most ``MAX_SPLIT_KV``; ``kernel_options["SPLIT_KV"]`` pins
+  it;
 * the KV step (``DecodeConfig``): BLOCK_N, warps and stages from ``DEFAULTS`` (plus
-  ``AUTOTUNE_CANDIDATES`` under max_autotune); ``kernel_options`` ``BLOCK_N``,
+  ``AUTOTUNE_CANDIDATES`` under max_autotune), widened to ``LATENCY_BLOCK_N`` for 16-bit
+  calls with no more programs than multiprocessors; ``kernel_options`` ``BLOCK_N``,
   ``num_warps`` and ``num_stages`` (the keys the forward kernel reads too) pin them.
   ``BLOCK_M`` and the ``fwd_*`` keys tile the main kernel only: the decode tile's rows
   follow from the packing.
@@ -76,8 +78,15 @@ DECODE_MAX_Q_LEN = 64
 DECODE_MIN_KV_LEN = 256
 #: Rows of a packed tile (HEADS_PER_TILE * BLOCK_Q): bounds the accumulator's registers.
 MAX_TILE_ROWS = 64
-#: Programs wanted per multiprocessor: decode is memory-bound and needs loads in flight.
-PROGRAMS_PER_SM = 4
+#: Programs wanted per multiprocessor (H200 sweep, bench/tune_decode.py: at B=1 one
+#: program per SM, 16 splits of 8 KV heads, took 13.3 us at KV 8k where 4 per SM took 18).
+PROGRAMS_PER_SM = 1
+#: Splits at least, when a row has the steps: at B=8 (64 programs) 16 splits beat the
+#: 2-3 that filling the SMs once needs (73.9 vs 75.7 us at KV 8k; 253 vs 263 at 32k).
+MIN_SPLIT_KV = 16
+#: KV step of a latency-bound call (no more programs than multiprocessors): wider steps
+#: put more bytes in flight per program (B=1 KV 32k: 40 us with 128, 49 with 64).
+LATENCY_BLOCK_N = 128
 #: A share of a row's KV steps is at least this many BLOCK_N steps (when the row has them).
 MIN_STEPS_PER_SPLIT = 2
 #: Upper bound of SPLIT_KV (the partial results grow with it).
@@ -239,15 +248,16 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict[str, Any]) -> int:
-    """SPLIT_KV: PROGRAMS_PER_SM programs per multiprocessor, each with at least
-    MIN_STEPS_PER_SPLIT steps of a dense row; pinned by kernel_options["SPLIT_KV"]."""
+    """SPLIT_KV: PROGRAMS_PER_SM programs per multiprocessor and at least MIN_SPLIT_KV
+    splits, each with at least MIN_STEPS_PER_SPLIT steps of a dense row; pinned by
+    kernel_options["SPLIT_KV"]."""
     pinned = kernel_options.get("SPLIT_KV")
     if pinned is not None:
         if not isinstance(pinned, int) or isinstance(pinned, bool) or not 1 <= pinned <= MAX_SPLIT_KV:
             raise DecodeOptionError(
                 f"flexattn: kernel_options SPLIT_KV must be an int in [1, {MAX_SPLIT_KV}], got {pinned!r}")
         return pinned
-    wanted = math.ceil(PROGRAMS_PER_SM * sms / max(programs, 1))
+    wanted = max(math.ceil(PROGRAMS_PER_SM * sms / max(programs, 1)), MIN_SPLIT_KV)
     useful = math.ceil(max_steps / MIN_STEPS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLIT_KV))
 
@@ -287,6 +297,22 @@ def decode_configs(device, qk_dim_pad: int, dtype, sparse_kv: int, kernel_option
             f"flexattn: no decode configuration fits the BlockMask's KV_BLOCK_SIZE={sparse_kv} "
             f"(it must be a multiple of {cfgs.MIN_TILE})")
     return out
+
+
+def widen_for_latency(usable: list[DecodeConfig], programs: int, sms: int, keys_per_split: int, dtype,
+                      sparse_kv: int, kernel_options: dict[str, Any]) -> list[DecodeConfig]:
+    """The configs with BLOCK_N widened to LATENCY_BLOCK_N when the call is latency-bound
+    (``programs`` <= ``sms``), 16-bit, BLOCK_N is not pinned, LATENCY_BLOCK_N divides the
+    BlockMask's KV block and each split keeps MIN_STEPS_PER_SPLIT steps of it."""
+    if ("block_n" in _pinned(kernel_options) or programs > sms or dtype not in (torch.float16, torch.bfloat16)
+            or sparse_kv % LATENCY_BLOCK_N or keys_per_split < MIN_STEPS_PER_SPLIT * LATENCY_BLOCK_N):
+        return usable
+    widened: list[DecodeConfig] = []
+    for cfg in usable:
+        cfg = dataclasses.replace(cfg, block_n=max(cfg.block_n, LATENCY_BLOCK_N))
+        if cfg not in widened:
+            widened.append(cfg)
+    return widened
 
 
 # --------------------------------------------------------------------------------------
@@ -354,8 +380,11 @@ def lower_to_decode_template(
     # smallest KV step among them.
     smallest_step = min(cfg.block_n for cfg in usable)
     programs = _hint(B) * head_tiles * math.ceil(_hint(L) / pack.block_q)
-    split_kv = split_count(sms=multiprocessor_count(device), programs=programs,
+    sms = multiprocessor_count(device)
+    split_kv = split_count(sms=sms, programs=programs,
                            max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options)
+    usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, sparse_kv,
+                               kernel_options)
 
     v_dim = spec["V_HEAD_DIM"]
     acc_layout = ir.FixedLayout(device, torch.float32, [B, Hq, L, split_kv, v_dim],
