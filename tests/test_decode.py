@@ -414,7 +414,8 @@ def test_packing(group, L, sparse_q, per_head, expect):
 
 def test_split_count():
     # B=1, 8 KV heads, 1 token, 132 SMs: one program per SM; a 32k cache has the steps.
-    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}) == 17
+    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}) == 16
+    assert dec.split_count(sms=132, programs=4, max_steps=512, kernel_options={}) == 33
     # Short caches cap the split at MIN_STEPS_PER_SPLIT steps a share.
     assert dec.split_count(sms=132, programs=8, max_steps=8, kernel_options={}) == 4
     # Many programs: still MIN_SPLIT_KV splits when the row has the steps.

@@ -257,7 +257,8 @@ def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict
             raise DecodeOptionError(
                 f"flexattn: kernel_options SPLIT_KV must be an int in [1, {MAX_SPLIT_KV}], got {pinned!r}")
         return pinned
-    wanted = max(math.ceil(PROGRAMS_PER_SM * sms / max(programs, 1)), MIN_SPLIT_KV)
+    # Rounded down: one program past a whole number per SM is a second wave.
+    wanted = max(PROGRAMS_PER_SM * sms // max(programs, 1), MIN_SPLIT_KV)
     useful = math.ceil(max_steps / MIN_STEPS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLIT_KV))
 
