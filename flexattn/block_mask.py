@@ -31,10 +31,13 @@ reduced to per-block ``any`` / ``all`` flags; only those (B, H, QB, KVB) flags a
 Peak memory is therefore the chunk budget plus the block flags, whatever the sequence
 length.
 
-Edge blocks: when a length is not a multiple of its block size, positions past the end
-count as masked out. A tile that hangs over the end is therefore never *full*, it is
-*partial* if any in-range position is allowed and *empty* otherwise; this is exactly
-PyTorch's rule.
+Edge blocks: when a length is not a multiple of its block size, a tile hangs over the
+end; its positions past the end hold no query or key (the kernels mask them by bounds
+in full and partial tiles alike). Such a tile is *full* when every in-range position is
+allowed, *partial* when some are, *empty* otherwise. PyTorch counts the positions past
+the end as masked, so its hanging tiles are never full; flexattn's are whenever they can
+be, which matters most for decoding: a one-token query hangs over its 128-row block, so
+under PyTorch's rule every block it sees is partial and runs mask_mod.
 """
 
 from __future__ import annotations
@@ -331,7 +334,11 @@ def _reduce_axis_to_blocks(
     """Group axis ``dim`` (negative) in runs of ``block``; reduce each run to any / all.
 
     A trailing run shorter than ``block`` stands for a block that hangs past the end of
-    the sequence: its missing positions are masked out, so it is never all-allowed.
+    the sequence. Its missing positions hold no query or key at all (the kernels mask
+    them by bounds, full block or not), so the block is full when every position it
+    does hold is allowed: a one-token decode query makes a full block of every KV block
+    it sees whole. (torch's create_block_mask counts them as masked, so such a block is
+    partial there.)
     """
     length = any_flags.shape[dim]
     whole = length // block
@@ -345,9 +352,8 @@ def _reduce_axis_to_blocks(
         any_parts.append(runs_any.any(dim))
         all_parts.append(runs_all.all(dim))
     if aligned < length:
-        tail_any = any_flags.narrow(dim, aligned, length - aligned).any(dim, keepdim=True)
-        any_parts.append(tail_any)
-        all_parts.append(torch.zeros_like(tail_any))
+        any_parts.append(any_flags.narrow(dim, aligned, length - aligned).any(dim, keepdim=True))
+        all_parts.append(all_flags.narrow(dim, aligned, length - aligned).all(dim, keepdim=True))
     if len(any_parts) == 1:
         return any_parts[0], all_parts[0]
     return torch.cat(any_parts, dim), torch.cat(all_parts, dim)
@@ -389,9 +395,9 @@ def _reduce_kv_axis(allowed: Tensor, kv_block: int, use_words: bool) -> tuple[Te
     any_kv = runs.ne(0).any(-1)
     all_kv = runs.eq(_ALL_TRUE_WORD).all(-1)
     if whole * kv_block < kv_len:
-        tail = allowed.narrow(-1, whole * kv_block, kv_len - whole * kv_block).any(-1, keepdim=True)
-        any_kv = torch.cat([any_kv, tail], -1)
-        all_kv = torch.cat([all_kv, torch.zeros_like(tail)], -1)
+        tail = allowed.narrow(-1, whole * kv_block, kv_len - whole * kv_block)
+        any_kv = torch.cat([any_kv, tail.any(-1, keepdim=True)], -1)
+        all_kv = torch.cat([all_kv, tail.all(-1, keepdim=True)], -1)
     return any_kv, all_kv
 
 
@@ -828,9 +834,10 @@ class BlockMask:
     def _adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
         """Crop to the upper-left (new_q_len, new_kv_len) corner of the mask.
 
-        Block lists are re-derived so that only blocks inside the new grid stay valid,
-        and a full block that now hangs over the new end of a sequence becomes partial
-        (the same classification create_block_mask gives at the new lengths). Valid for
+        Block lists are re-derived so that only blocks inside the new grid stay valid. A
+        full block stays full (all of its positions were allowed, so those left inside
+        the new lengths are); a partial block that now hangs over a new end stays
+        partial, where create_block_mask at the new lengths may find it full. Valid for
         masks whose value at a position does not depend on the sequence lengths, such
         as causal or sliding-window masks.
         """
@@ -848,13 +855,6 @@ class BlockMask:
         full = None
         if self.full_kv_num_blocks is not None:
             full = _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, old_cols)[..., :rows, :cols].bool()
-            hangs_over = torch.zeros(rows, cols, dtype=torch.bool, device=full.device)
-            if new_q_len % q_block:
-                hangs_over[-1, :] = True
-            if new_kv_len % kv_block:
-                hangs_over[:, -1] = True
-            partial = partial | (full & hangs_over)
-            full = full & ~hangs_over
         return _from_block_flags(partial, full, (new_q_len, new_kv_len), self.BLOCK_SIZE, self.mask_mod)
 
     def adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:

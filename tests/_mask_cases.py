@@ -66,22 +66,65 @@ MASK_CASES = {
 }
 
 
+def block_kinds_of(mask) -> torch.Tensor:
+    """int64 (B, H, QB, KVB) kinds 0/1/2 = empty/partial/full of flexattn's or torch's
+    BlockMask, from its block lists."""
+    def dense(num, idx):
+        cols = idx.shape[-1]
+        slots = torch.arange(cols)
+        valid = slots < num.cpu().long().unsqueeze(-1)
+        out = torch.zeros(*idx.shape[:-1], cols + 1, dtype=torch.int64)
+        out.scatter_(-1, torch.where(valid, idx.cpu().long(), cols), 1)
+        return out[..., :cols]
+
+    kinds = dense(mask.kv_num_blocks, mask.kv_indices)
+    if mask.full_kv_num_blocks is not None:
+        kinds = torch.where(dense(mask.full_kv_num_blocks, mask.full_kv_indices).bool(), 2, kinds)
+    return kinds
+
+
+def _tail_blocks(mask, rows: int, cols: int) -> torch.Tensor:
+    """(rows, cols) bool: the blocks that hang over the end of a sequence."""
+    q_len, kv_len = mask.seq_lengths
+    q_block, kv_block = mask.BLOCK_SIZE
+    tail = torch.zeros(rows, cols, dtype=torch.bool)
+    if q_len % q_block and -(-q_len // q_block) <= rows:
+        tail[-(-q_len // q_block) - 1, :] = True
+    if kv_len % kv_block and -(-kv_len // kv_block) <= cols:
+        tail[:, -(-kv_len // kv_block) - 1] = True
+    return tail
+
+
 def assert_same_block_mask(ours, theirs) -> None:
     """Compare two block masks block for block: counts, valid index prefixes, shapes.
 
-    ``theirs`` may be torch's BlockMask. Padding after the valid prefix is compared too
-    (flexattn fills it the way torch does), after checking the valid parts separately
-    so that a failure says which part differs.
+    ``theirs`` may be torch's BlockMask. Blocks that hang over the end of a sequence may
+    be full in ``ours`` where ``theirs`` has them partial (flexattn ignores the missing
+    positions, torch counts them as masked; see flexattn/block_mask.py). Everything
+    else must match exactly: when the kinds match everywhere, the block lists and their
+    padding are compared too (flexattn fills the padding the way torch does), valid parts
+    first so that a failure says which part differs.
     """
     assert tuple(ours.seq_lengths) == tuple(theirs.seq_lengths)
     assert tuple(ours.BLOCK_SIZE) == tuple(theirs.BLOCK_SIZE)
+    our_kinds, their_kinds = block_kinds_of(ours), block_kinds_of(theirs)
+    assert our_kinds.shape == their_kinds.shape, (our_kinds.shape, their_kinds.shape)
+    differ = our_kinds != their_kinds
+    if differ.any():
+        tail = _tail_blocks(ours, *our_kinds.shape[-2:]).expand_as(differ)
+        promoted = (our_kinds == 2) & (their_kinds == 1) & tail
+        assert torch.equal(differ, promoted), (
+            f"block kinds differ beyond full hanging blocks at {differ.nonzero()[:8].tolist()}")
+        return
     for prefix in ("", "full_"):
         for axis in ("kv", "q"):
             num_name, idx_name = f"{prefix}{axis}_num_blocks", f"{prefix}{axis}_indices"
             our_num, their_num = getattr(ours, num_name), getattr(theirs, num_name)
             our_idx, their_idx = getattr(ours, idx_name), getattr(theirs, idx_name)
-            assert (our_num is None) == (their_num is None), num_name
-            if our_num is None:
+            if our_num is None or their_num is None:
+                # One side lists no full blocks: the other must list none either.
+                other = their_num if our_num is None else our_num
+                assert other is None or int(other.sum()) == 0, num_name
                 continue
             assert our_num.dtype == their_num.dtype == torch.int32, num_name
             assert our_idx.dtype == their_idx.dtype == torch.int32, idx_name
@@ -99,15 +142,21 @@ def assert_same_block_mask(ours, theirs) -> None:
 def reference_block_kinds(mask: torch.Tensor, q_block: int, kv_block: int) -> torch.Tensor:
     """Block kinds from a dense (B, H, Q, KV) bool mask by brute force: 0/1/2 = empty/partial/full.
 
-    Positions past the sequence ends count as masked (padding with False).
+    Positions past the sequence ends do not count: a block is full when all of its
+    in-range positions are allowed.
     """
     B, H, Q, KV = mask.shape
     rows, cols = -(-Q // q_block), -(-KV // kv_block)
-    padded = torch.zeros(B, H, rows * q_block, cols * kv_block, dtype=torch.bool)
-    padded[:, :, :Q, :KV] = mask
-    tiles = padded.view(B, H, rows, q_block, cols, kv_block).permute(0, 1, 2, 4, 3, 5)
-    counts = tiles.sum(dim=(-2, -1))
+    allowed = torch.zeros(B, H, rows * q_block, cols * kv_block, dtype=torch.bool)
+    in_range = torch.zeros_like(allowed)
+    allowed[:, :, :Q, :KV] = mask
+    in_range[:, :, :Q, :KV] = True
+
+    def per_tile(x):
+        return x.view(B, H, rows, q_block, cols, kv_block).permute(0, 1, 2, 4, 3, 5).sum(dim=(-2, -1))
+
+    counts, sizes = per_tile(allowed), per_tile(in_range)
     kinds = torch.zeros(B, H, rows, cols, dtype=torch.int64)
     kinds[counts > 0] = 1
-    kinds[counts == q_block * kv_block] = 2
+    kinds[counts == sizes] = 2
     return kinds
