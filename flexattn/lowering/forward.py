@@ -113,10 +113,32 @@ def next_power_of_two_at_least_16(n: int) -> int:
     return max(16, 1 << max(0, (n - 1).bit_length()))
 
 
+def _reads_zero_dim_cpu_input(node) -> bool:
+    """Whether ``node`` reads a 0-d CPU graph input (directly or through a view)."""
+    try:
+        names = node.get_read_names()
+    except (AttributeError, NotImplementedError):
+        return False
+    for name in names:
+        buffer = V.graph.graph_inputs.get(name)
+        if buffer is not None and not buffer.get_size() and buffer.get_device().type == "cpu":
+            return True
+    return False
+
+
 def realize_fixed(node):
-    """A realized IR node whose strides are final (the template bakes them into code)."""
+    """A realized IR node whose strides are final (the template bakes them into code).
+
+    Inductor hands a 0-d CPU graph input to Triton kernels as a Python scalar, which a
+    template cannot ``tl.load``; a node reading one (the output gradient of ``out.sum()``
+    is such an input, expanded) is first copied by a pointwise kernel into a buffer of
+    its own.
+    """
     if node is None or isinstance(node, sympy.Expr) or not isinstance(node, ir.IRNode):
         return node
+    if _reads_zero_dim_cpu_input(node):
+        node = ir.Pointwise.create(device=node.get_device(), dtype=node.get_dtype(), inner_fn=node.make_loader(),
+                                   ranges=list(node.get_size()))
     node = ir.ExternKernel.realize_input(node)
     storage = node.data if isinstance(node, ir.ReinterpretView) else node
     while isinstance(storage, (ir.TensorBox, ir.StorageBox)):
@@ -130,14 +152,11 @@ def captured_for_kernel(node, query):
     """A captured tensor of a mod, realized for a Triton template running on the
     query's device.
 
-    Inductor passes a 0-d CPU tensor to Triton kernels as a Python scalar, which a
-    template cannot ``tl.load``. Dynamo makes one of a Python float that a mod closes
-    over, once the float has changed between calls (a float64 "unspecialized" input).
-    Such a tensor is first copied by a pointwise kernel into a 0-d buffer on the
-    query's device (on a CPU device, an ordinary buffer passed as a pointer). A float64
-    one is copied as float32 unless the query is float64: inside the mod every value
-    is 0-d, so a float64 scalar would otherwise promote the whole score computation
-    (as a Python float does not).
+    Dynamo makes a 0-d float64 CPU input of a Python float that a mod closes over, once
+    the float has changed between calls. Such a tensor is copied onto the query's device
+    (``realize_fixed`` would copy it on the CPU, see there), as float32 unless the query
+    is float64: inside the mod every value is 0-d, so a float64 scalar would otherwise
+    promote the whole score computation (as a Python float does not).
     """
     if isinstance(node, ir.IRNode) and not node.get_size() and node.get_device().type == "cpu":
         dtype = node.get_dtype()
