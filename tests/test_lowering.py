@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
 
 def compile_and_code(L=64, S=64, E=32, Ev=None, Hq=2, Hkv=2, score_mod=None, mask_mod=None,
-                     options=None, block_size=128, dtype=torch.float16, block_mask_tuple=None):
+                     options=None, block_size=128, dtype=torch.float16, block_mask_tuple=None, check=True):
     Ev = Ev or E
     q = torch.randn(2, Hq, L, E, device=DEVICE, dtype=dtype)
     k = torch.randn(2, Hkv, S, E, device=DEVICE, dtype=dtype)
@@ -45,6 +45,8 @@ def compile_and_code(L=64, S=64, E=32, Ev=None, Hq=2, Hkv=2, score_mod=None, mas
         return flex_attention_hop(q, k, v, score_mod, block_mask_tuple, E ** -0.5, opts, (), ())
 
     out, code = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), q, k, v)
+    if not check:
+        return "\n".join(code)
     ref = dense_flex_attention(q, k, v, score_mod, block_mask_tuple, E ** -0.5, opts, (), ())
     golden = dense_flex_attention(q.double(), k.double(), v.double(), score_mod, block_mask_tuple,
                                   E ** -0.5, opts, (), ())
@@ -93,6 +95,27 @@ def test_kernel_options_override_the_config():
     assert constexpr(code, "BLOCK_N") == "32"
     assert constexpr(code, "PRESCALE_QK") == "True"
     assert "num_warps=2" in code and "num_stages=1" in code
+
+
+def test_float32_precision_follows_torch_and_ieee_fp32():
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        # TF32 products are checked against their own bound in test_forward; here only
+        # the choice is.
+        code = compile_and_code(dtype=torch.float32, options={"IEEE_FP32": False}, check=False)
+        assert constexpr(code, "FLOAT32_PRECISION") == ("'tf32'" if DEVICE == "cuda" else "'ieee'")
+        torch._dynamo.reset()
+        code = compile_and_code(dtype=torch.float32, options={"IEEE_FP32": True})
+        assert constexpr(code, "FLOAT32_PRECISION") == "'ieee'"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("option", [{"USE_TMA": True}, {"WRITE_DQ": False}], ids=str)
+def test_options_without_effect_warn(option):
+    with pytest.warns(UserWarning, match=f"{next(iter(option))}=.*no effect"):
+        compile_and_code(options=option)
 
 
 def test_bad_block_override_raises():

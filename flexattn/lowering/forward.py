@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any, Sequence
 
 import sympy
@@ -195,12 +196,28 @@ def output_layout(query, v_head_dim) -> ir.FixedLayout:
     return ir.FixedLayout(query.get_device(), query.get_dtype(), sizes, strides)
 
 
-def float32_precision(device: torch.device, dtype: torch.dtype) -> str:
-    """The tl.dot input_precision for this call, quoted for a constexpr define."""
-    if dtype == torch.float32 and device.type == "cuda" and _compat.float32_matmul_allows_tf32() \
+def float32_precision(device: torch.device, dtype: torch.dtype, force_ieee: bool = False) -> str:
+    """The tl.dot input_precision for this call, quoted for a constexpr define: TF32 for
+    float32 inputs where torch's matmul setting allows it, unless ``force_ieee``
+    (kernel_options IEEE_FP32)."""
+    if dtype == torch.float32 and device.type == "cuda" and not force_ieee and _compat.float32_matmul_allows_tf32() \
             and torch.cuda.get_device_capability(device) >= (8, 0) and not torch.version.hip:
         return "'tf32'"
     return "'ieee'"
+
+
+#: torch's kernel_options that flexattn accepts (a drop-in call keeps working) but whose
+#: effect its kernels do not have; setting one to a non-default value warns at compile.
+_INERT_OPTIONS = {
+    "USE_TMA": (False, "flexattn's kernels do not use TMA descriptors; the option has no effect"),
+    "WRITE_DQ": (True, "flexattn's backward always computes dQ; the option has no effect"),
+}
+
+
+def warn_inert_options(kernel_options: dict[str, Any]) -> None:
+    for key, (default, why) in _INERT_OPTIONS.items():
+        if key in kernel_options and bool(kernel_options[key]) != default:
+            warnings.warn(f"flexattn: kernel_options {key}={kernel_options[key]!r}: {why}", stacklevel=2)
 
 
 def read_bool_options(kernel_options: dict[str, Any]) -> dict[str, bool]:
@@ -212,6 +229,7 @@ def forward_specialisations(
     has_full_blocks: bool, has_score_mod: bool,
 ) -> dict[str, Any]:
     """Constexprs shared by every tile configuration of one call."""
+    warn_inert_options(kernel_options)
     sizevars = V.graph.sizevars
     qk_dim = sizevars.guard_int(query.get_size()[-1])
     v_dim = sizevars.guard_int(value.get_size()[-1])
@@ -236,7 +254,8 @@ def forward_specialisations(
         "SPARSE_KV_BLOCK_SIZE": sparse_kv,
         "HAS_FULL_BLOCKS": has_full_blocks,
         "HAS_SCORE_MOD": has_score_mod,
-        "FLOAT32_PRECISION": float32_precision(query.get_device(), query.get_dtype()),
+        "FLOAT32_PRECISION": float32_precision(query.get_device(), query.get_dtype(),
+                                               bool(kernel_options.get("IEEE_FP32"))),
         "FLOAT64_ACC": query.get_dtype() == torch.float64,
     }
     spec.update(read_bool_options(kernel_options))
