@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flexattn.block_mask import BlockMask, and_masks, or_masks
+from flexattn.block_mask import BlockMask, _ordered_to_dense, and_masks, or_masks
 from flexattn.mods import causal_mask, document_mask, prefix_lm, sliding_window
 
 TENSOR_FIELDS = BlockMask._TENSOR_FIELDS
@@ -69,17 +69,11 @@ MASK_CASES = {
 def block_kinds_of(mask) -> torch.Tensor:
     """int64 (B, H, QB, KVB) kinds 0/1/2 = empty/partial/full of flexattn's or torch's
     BlockMask, from its block lists."""
-    def dense(num, idx):
-        cols = idx.shape[-1]
-        slots = torch.arange(cols)
-        valid = slots < num.cpu().long().unsqueeze(-1)
-        out = torch.zeros(*idx.shape[:-1], cols + 1, dtype=torch.int64)
-        out.scatter_(-1, torch.where(valid, idx.cpu().long(), cols), 1)
-        return out[..., :cols]
-
-    kinds = dense(mask.kv_num_blocks, mask.kv_indices)
+    cols = mask.kv_indices.shape[-1]
+    kinds = _ordered_to_dense(mask.kv_num_blocks.cpu(), mask.kv_indices.cpu(), cols).long()
     if mask.full_kv_num_blocks is not None:
-        kinds = torch.where(dense(mask.full_kv_num_blocks, mask.full_kv_indices).bool(), 2, kinds)
+        full = _ordered_to_dense(mask.full_kv_num_blocks.cpu(), mask.full_kv_indices.cpu(), cols)
+        kinds = torch.where(full.bool(), 2, kinds)
     return kinds
 
 

@@ -40,3 +40,14 @@ def assert_close_3way(name: str, test: torch.Tensor, ref: torch.Tensor, golden: 
         f"{err_ref:.3e} + floor {ATOL_FLOOR[dtype]:.0e} = {bound:.3e}"
     )
     return err_test, err_ref
+
+
+def assert_attention_outputs_close(out, ref, golden, dtype: torch.dtype, options: dict) -> None:
+    """The three-way check of an attention call's (out, lse, max_scores), each auxiliary
+    output where ``options`` asks for it."""
+    assert out[0].dtype == dtype
+    assert_close_3way("out", out[0], ref[0], golden[0], dtype)
+    if options["OUTPUT_LOGSUMEXP"]:
+        assert_close_3way("lse", out[1], ref[1], golden[1], dtype)
+    if options["OUTPUT_MAX"]:
+        assert_close_3way("max_scores", out[2], ref[2], golden[2], dtype)
