@@ -1,8 +1,8 @@
 """Sweep backward tile configurations on the GPU, beside torch's flex_attention.
 
-    python bench/tune_backward.py [--dims 64,128,256] [--seq 4096] [--configs all|short]
+    python bench/tune_backward.py [--dims 64,128,256] [--seq 4096] [--mask causal|no_mask] [--exhaustive]
 
-For each head dim it times forward+backward of causal bf16 attention with flexattn's
+For each head dim it times forward+backward of bf16 attention (causal by default) with flexattn's
 backward tiles pinned through kernel_options (``bwd_BLOCK_M1`` ... ``bwd_num_stages``;
 the forward keeps its defaults), and torch's compiled flex_attention with its defaults,
 and prints the TFLOP/s of each configuration, best first. The ``DEFAULTS`` table of
@@ -20,6 +20,7 @@ import triton.testing
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexattn
+from _tuning import allow_recompiles
 from flexattn import mods
 
 
@@ -41,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dims", default="64,128,256")
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--mask", choices=("causal", "no_mask"), default="causal")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384,
                         help="batch = tokens // seq (// 2 at D=256, as in the benchmark)")
@@ -48,14 +50,12 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
     args = parser.parse_args()
     S, H = args.seq, args.heads
-    # Each pinned configuration is a recompile of the same frame.
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 10_000)
+    allow_recompiles()
     ours = torch.compile(flexattn.flex_attention, fullgraph=True)
     theirs = torch.compile(torch_flex.flex_attention, fullgraph=True)
-    bm = flexattn.create_block_mask(mods.causal_mask, None, None, S, S, device="cuda")
-    tbm = torch_flex.create_block_mask(mods.causal_mask, None, None, S, S, device="cuda")
+    causal = args.mask == "causal"
+    bm = flexattn.create_block_mask(mods.causal_mask, None, None, S, S, device="cuda") if causal else None
+    tbm = torch_flex.create_block_mask(mods.causal_mask, None, None, S, S, device="cuda") if causal else None
     start = time.time()
     summary = []
     for dim in (int(d) for d in args.dims.split(",")):
@@ -63,7 +63,7 @@ def main() -> None:
         q, k, v = (torch.randn(B, H, S, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         dout = torch.randn(B, H, S, dim, device="cuda", dtype=torch.bfloat16)
-        flops = 3.5 * 4 * B * H * S * S * dim * 0.5
+        flops = 3.5 * 4 * B * H * S * S * dim * (0.5 if causal else 1.0)
 
         def fwd_bwd(fn, **kw):
             def run():

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import flexattn
+from _tuning import allow_recompiles
 
 HQ, HKV, D = 32, 8, 128
 
@@ -32,9 +33,7 @@ def main() -> None:
     parser.add_argument("--splits", default="auto,16,32,64")
     parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
     args = parser.parse_args()
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 10_000)
+    allow_recompiles()
     ours = torch.compile(flexattn.flex_attention, fullgraph=True)
     start = time.time()
     summary = []

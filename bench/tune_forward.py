@@ -1,10 +1,11 @@
 """Sweep forward tile configurations on the GPU, beside torch's flex_attention.
 
-    python bench/tune_forward.py [--cases no_mask,causal] [--dims 64,128,256] [--seq 8192]
+    python bench/tune_forward.py [--cases no_mask,causal,softcap] [--dims 64,128,256] [--seq 8192]
+                                 [--budget SECONDS]
 
-For each (case, head dim) it times flexattn with each configuration pinned through
-kernel_options, and torch's compiled flex_attention with its defaults, and prints the
-TFLOP/s of each and the best configuration. The tables in
+For each (case, head dim) it times the bf16 forward of flexattn with each candidate
+configuration pinned through kernel_options, and torch's compiled flex_attention with
+its defaults, and prints the TFLOP/s of each and the best configurations. The tables in
 flexattn/lowering/configs.py are chosen from these readings.
 """
 
@@ -12,30 +13,37 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 
 import torch
 import triton.testing
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexattn
+from _tuning import allow_recompiles
 from flexattn import mods
 
-CONFIGS = [
-    dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-    for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))
-]
+#: (score_mod, mask_mod, fraction of the scores computed) per case.
+CASES = {
+    "no_mask": (None, None, 1.0),
+    "causal": (None, mods.causal_mask, 0.5),
+    "softcap": (mods.tanh_softcap(30.0), mods.causal_mask, 0.5),
+}
 
-MASKS = {"no_mask": None, "causal": mods.causal_mask}
 
-
-def _fits(cfg: dict, dim: int) -> bool:
-    """Skip shapes that cannot fit in shared memory or need too many registers."""
-    tile_bytes = 2 * dim * (cfg["BLOCK_M"] + 2 * cfg["BLOCK_N"] * cfg["num_stages"])
-    if tile_bytes > 220 * 1024:
-        return False
-    if dim == 256 and cfg["BLOCK_M"] == 128 and cfg["num_warps"] == 4:
-        return False
-    return True
+def candidates(dim: int) -> list[dict]:
+    """Configurations tried at head dim ``dim``: those whose pipelined K/V tiles fit in
+    Hopper's shared memory, and no 128-row tile with 4 warps at D=256 (register spills)."""
+    block_ns = (32, 64) if dim > 128 else (64, 128)
+    grid = itertools.product((64, 128), block_ns, (4, 8), (2, 3, 4))
+    out = []
+    for m, n, w, s in grid:
+        if 2 * dim * (m + 2 * n * s) > 220 * 1024:
+            continue
+        if dim > 128 and m == 128 and w == 4:
+            continue
+        out.append(dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s))
+    return out
 
 
 def main() -> None:
@@ -43,41 +51,47 @@ def main() -> None:
     parser.add_argument("--cases", default="no_mask,causal")
     parser.add_argument("--dims", default="64,128,256")
     parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4, help="halved at D=256, as in the benchmark")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
     args = parser.parse_args()
-    S, B, H = args.seq, args.batch, args.heads
+    S, H = args.seq, args.heads
+    allow_recompiles()
     ours = torch.compile(flexattn.flex_attention, fullgraph=True)
     theirs = torch.compile(torch_flex.flex_attention, fullgraph=True)
+    start = time.time()
     lines = []
     for case in args.cases.split(","):
-        mask_mod = MASKS[case]
+        score_mod, mask_mod, density = CASES[case]
         bm = flexattn.create_block_mask(mask_mod, None, None, S, S, device="cuda") if mask_mod else None
         tbm = torch_flex.create_block_mask(mask_mod, None, None, S, S, device="cuda") if mask_mod else None
-        density = 0.5 if mask_mod else 1.0
         for dim in (int(d) for d in args.dims.split(",")):
-            b = max(1, B * 128 // dim) if dim > 128 else B
+            b = max(1, args.batch // 2) if dim > 128 else args.batch
             q, k, v = (torch.randn(b, H, S, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             flops = 4 * b * H * S * S * dim * density
-            ms = triton.testing.do_bench(lambda: theirs(q, k, v, block_mask=tbm), warmup=25, rep=100, return_mode="median")
+            ms = triton.testing.do_bench(lambda: theirs(q, k, v, score_mod, block_mask=tbm),
+                                         warmup=25, rep=100, return_mode="median")
             torch_tflops = flops / ms / 1e9
+            print(f"{case} D={dim}: torch flex {torch_tflops:.0f} TFLOP/s", flush=True)
             results = []
-            for cfg in CONFIGS:
-                if not _fits(cfg, dim):
-                    continue
+            for cfg in candidates(dim):
+                if time.time() - start > args.budget:
+                    print("  budget spent; stopping", flush=True)
+                    break
+                name = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
                 try:
-                    ms = triton.testing.do_bench(lambda: ours(q, k, v, block_mask=bm, kernel_options=cfg),
+                    ms = triton.testing.do_bench(lambda: ours(q, k, v, score_mod, block_mask=bm, kernel_options=cfg),
                                                  warmup=25, rep=100, return_mode="median")
                 except Exception as exc:  # a config the compiler rejects is skipped, not fatal
-                    print(f"  skip {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                    print(f"  skip {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", flush=True)
                     continue
-                results.append((flops / ms / 1e9, cfg))
+                results.append((flops / ms / 1e9, name))
+                print(f"  {name}: {results[-1][0]:.0f} TFLOP/s ({results[-1][0] / torch_tflops:.2f}x)", flush=True)
             results.sort(key=lambda r: -r[0])
-            for tflops, cfg in results[: args.top]:
+            for tflops, name in results[: args.top]:
                 lines.append(f"| {case} | {dim} | {tflops:.0f} | {torch_tflops:.0f} | {tflops / torch_tflops:.2f} | "
-                             f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} |")
-            print(lines[-1], flush=True)
+                             f"{name} |")
     print("\n| case | D | flexattn TFLOP/s | torch flex | ratio | config |")
     print("|---|---|---|---|---|---|")
     print("\n".join(lines))

@@ -47,7 +47,7 @@ TILE_KERNEL_OPTIONS = frozenset({
     "fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_warps", "fwd_num_stages",
     "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_warps", "bwd_num_stages",
     "FORCE_USE_FLEX_ATTENTION", "FORCE_DECODE", "SPLIT_KV", "DETERMINISTIC", "USE_TMA",
-    "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG",
+    "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG", "FAST_TANH", "FUSED_MERGE",
 })
 KNOWN_KERNEL_OPTIONS = frozenset(DEFAULT_KERNEL_OPTIONS) | TILE_KERNEL_OPTIONS
 
@@ -295,6 +295,9 @@ def flex_attention(
         raise TypeError(f"flexattn: scale must be a float or None, got {type(scale).__name__}")
 
     options = {**DEFAULT_KERNEL_OPTIONS, **_check_kernel_options(kernel_options)}
+    if options.get("FAST_TANH"):
+        from .lowering.subgraph import use_fast_tanh
+        use_fast_tanh(options, query.dtype, query.device)  # raises where it cannot be had
     want_lse = return_lse or (return_aux is not None and return_aux.lse)
     want_max = return_aux is not None and return_aux.max_scores
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))

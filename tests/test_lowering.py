@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
+import flexattn
 import flexattn.lowering
 from flexattn import mods
 from flexattn._hop import dense_flex_attention, flex_attention_hop
@@ -116,6 +117,53 @@ def test_float32_precision_follows_torch_and_ieee_fp32():
 def test_options_without_effect_warn(option):
     with pytest.warns(UserWarning, match=f"{next(iter(option))}=.*no effect"):
         compile_and_code(options=option)
+
+
+def test_fast_tanh_choice(monkeypatch):
+    from flexattn.lowering import subgraph
+    monkeypatch.setattr(subgraph._compat, "triton_interpreter_requested", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert subgraph.use_fast_tanh({}, torch.bfloat16, cuda)
+    assert subgraph.use_fast_tanh({}, torch.float16, cuda)
+    assert not subgraph.use_fast_tanh({}, torch.float32, cuda)
+    assert subgraph.use_fast_tanh({"FAST_TANH": True}, torch.float32, cuda)
+    assert not subgraph.use_fast_tanh({"FAST_TANH": False}, torch.bfloat16, cuda)
+    assert not subgraph.use_fast_tanh({}, torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="FAST_TANH=True needs an NVIDIA GPU.*torch.float64"):
+        subgraph.use_fast_tanh({"FAST_TANH": True}, torch.float64, cuda)
+    with pytest.raises(ValueError, match="FAST_TANH=True needs an NVIDIA GPU.*on cpu"):
+        subgraph.use_fast_tanh({"FAST_TANH": True}, torch.bfloat16, cpu)
+
+
+HARDWARE_TANH = "tanh.approx.f32"
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the hardware tanh is PTX")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_soft_cap_uses_the_hardware_tanh(dtype):
+    # Checked against the float64 golden with the usual three-way bound.
+    code = compile_and_code(score_mod=mods.tanh_softcap(4.0), mask_mod=mods.causal_mask, dtype=dtype, L=256, S=256)
+    assert HARDWARE_TANH in code and "libdevice.tanh" not in code
+    torch._dynamo.reset()
+    code = compile_and_code(score_mod=mods.tanh_softcap(4.0), dtype=dtype, options={"FAST_TANH": False})
+    assert HARDWARE_TANH not in code and "libdevice.tanh" in code
+    torch._dynamo.reset()
+    code = compile_and_code(score_mod=mods.tanh_softcap(4.0), dtype=torch.float32, check=False)
+    assert HARDWARE_TANH not in code
+    torch._dynamo.reset()
+    code = compile_and_code(score_mod=mods.tanh_softcap(4.0), dtype=torch.float32, options={"FAST_TANH": True},
+                            check=False)
+    assert HARDWARE_TANH in code
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the error is for CPU devices and the interpreter")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fast_tanh_off_gpu_is_an_error(compiled):
+    q = torch.randn(1, 1, 16, 16)
+    fn = torch.compile(flexattn.flex_attention) if compiled else flexattn.flex_attention
+    with pytest.raises(ValueError, match="FAST_TANH=True needs an NVIDIA GPU"):
+        fn(q, q, q, mods.tanh_softcap(4.0), kernel_options={"FAST_TANH": True})
 
 
 def test_bad_block_override_raises():

@@ -53,7 +53,7 @@ from .configs import shared_memory_limit
 from .dense import _example, _lower_graph, _static, broadcastable_mod, dense_attention
 from .forward import as_tensor_boxes, broadcast_to, captured_for_kernel, realize_fixed, use_triton_template
 from .subgraph import (MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, depends_on, gathered_tile_bytes,
-                       is_identity_score_mod)
+                       is_identity_score_mod, use_fast_tanh)
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -242,9 +242,11 @@ def scatter_terms(node: torch.fx.Node, buffer_rank: int, what: str) -> list[Scat
         f"0-d tensor used directly. Slices and partial indexing are not supported.")
 
 
-def _scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str):
+def _scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str,
+                   fast_tanh: bool = False):
     """An IR loader of ``node`` (a 0-d value of the joint graph) for the template."""
-    buffer = build_mod_buffer(graph_returning(gm, node), JOINT_ARGS, dtype, device, captured, what)
+    buffer = build_mod_buffer(graph_returning(gm, node), JOINT_ARGS, dtype, device, captured, what,
+                              fast_tanh=fast_tanh)
     return buffer.data.inner_fn
 
 
@@ -295,7 +297,7 @@ def _linear_index_buffer(index_fns, sizes, base: int, device) -> ir.ComputedBuff
     return buffer
 
 
-def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device) -> BufferGradPlan:
+def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_tanh: bool) -> BufferGradPlan:
     """The subgraphs and float32 buffers of the captured-tensor gradients (see
     ``BufferGradPlan``)."""
     results = _joint_outputs(joint_gm)[1:]
@@ -334,7 +336,7 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device) -> Buff
             grads[i] = lowerings[aten.view.default](view, sizes)
             for term in terms:
                 value = build_mod_buffer(graph_returning(joint_gm, term.value), JOINT_ARGS, dtype, device,
-                                         captured, what)
+                                         captured, what, fast_tanh=fast_tanh)
                 index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
                 reduced += [value, _linear_index_buffer(index_fns, sizes, offsets[i], device)]
             continue
@@ -342,7 +344,7 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device) -> Buff
         grads[i] = grad
         scatter_grads.append(grad)
         for term in terms:
-            value_fn = _scalar_loader(joint_gm, term.value, dtype, device, captured, what)
+            value_fn = _scalar_loader(joint_gm, term.value, dtype, device, captured, what, fast_tanh)
             index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
 
             def output_indexer(_, index_fns=index_fns, sizes=sizes):
@@ -460,13 +462,18 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
     captured = as_tensor_boxes(score_mod_buffers)
     has_score_mod = not is_identity_score_mod(fw_graph.graph_module)
-    score_buffer = build_mod_buffer(fw_graph.graph_module, SCORE_MOD_ARGS, dtype, device, captured, "score_mod")
+    # The forward's choice (same options, dtype and device): the recomputed scores must
+    # match the ones its logsumexp was taken over.
+    fast_tanh = use_fast_tanh(kernel_options, dtype, device)
+    score_buffer = build_mod_buffer(fw_graph.graph_module, SCORE_MOD_ARGS, dtype, device, captured, "score_mod",
+                                    fast_tanh=fast_tanh)
     mask_buffer = build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
-                                   as_tensor_boxes(mask_mod_buffers), "mask_mod")
+                                   as_tensor_boxes(mask_mod_buffers), "mask_mod", fast_tanh=fast_tanh)
     grad_score_node = _joint_outputs(joint_gm)[0]
     grad_score_buffer = build_mod_buffer(graph_returning(joint_gm, grad_score_node), JOINT_ARGS, dtype,
-                                         device, captured, "score_mod's gradient (joint graph)")
-    grad_plan = plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device)
+                                         device, captured, "score_mod's gradient (joint graph)",
+                                         fast_tanh=fast_tanh)
+    grad_plan = plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_tanh)
     # Subgraph 3 is always present (an empty scatter list renders nothing), so the
     # reduced terms' pairs start at 4.
     subgraphs: list[Any] = [score_buffer, mask_buffer, grad_score_buffer, grad_plan.scatters,

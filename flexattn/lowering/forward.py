@@ -38,7 +38,8 @@ from torch.utils._sympy.functions import FloorDiv, Mod
 from .. import _compat
 from ..templates import kernel_source
 from . import configs as cfgs
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, gathered_tile_bytes, is_identity_score_mod
+from .subgraph import (MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, gathered_tile_bytes, is_identity_score_mod,
+                       use_fast_tanh)
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -335,10 +336,11 @@ def lower_to_template(
     score_mod_buffers = [captured_for_kernel(b, query) for b in score_mod_buffers]
     mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
     has_score_mod = not is_identity_score_mod(score_mod.graph_module)
+    fast_tanh = use_fast_tanh(kernel_options, dtype, device)
     score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
-                                    as_tensor_boxes(score_mod_buffers), "score_mod")
+                                    as_tensor_boxes(score_mod_buffers), "score_mod", fast_tanh=fast_tanh)
     mask_buffer = build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
-                                   as_tensor_boxes(mask_mod_buffers), "mask_mod")
+                                   as_tensor_boxes(mask_mod_buffers), "mask_mod", fast_tanh=fast_tanh)
 
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,

@@ -22,8 +22,11 @@ from typing import Sequence
 
 import torch
 from torch._inductor import ir
+from torch._inductor.ops_handler import WrapperHandler
 from torch._inductor.subgraph_lowering import PointwiseSubgraphLowering
 from torch._inductor.virtualized import V
+
+from .. import _compat
 
 #: Placeholder names (= template ``modification`` keywords) and their dtypes; None means
 #: "the query's dtype".
@@ -41,6 +44,54 @@ class ModLoweringError(RuntimeError):
     """A score_mod / mask_mod uses an operation that cannot be fused into the kernel."""
 
 
+#: PTX of the hardware tanh (one MUFU instruction, sm_75 and later); its largest
+#: relative error is about 2**-11, below the rounding of a bfloat16 or float16 score.
+HARDWARE_TANH_ASM = "tanh.approx.f32 $0, $1;"
+
+#: Query dtypes whose mods get the hardware tanh by default.
+FAST_TANH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def use_fast_tanh(kernel_options, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a mod's tanh compiles to the hardware instruction rather than libdevice's
+    full-precision tanh (about twenty instructions per score).
+
+    Soft-capping spends most of its time in that tanh, so the hardware one is the
+    default for 16-bit inputs on NVIDIA GPUs. ``kernel_options["FAST_TANH"]`` False keeps
+    libdevice's; True asks for the hardware tanh for float32 too (it is never used for
+    float64, under the Triton interpreter or off NVIDIA GPUs, which lack the instruction:
+    True there is an error rather than a silent fallback).
+    """
+    requested = kernel_options.get("FAST_TANH")
+    available = device.type == "cuda" and torch.version.hip is None \
+        and not _compat.triton_interpreter_requested() and dtype != torch.float64
+    if requested is None:
+        return available and dtype in FAST_TANH_DTYPES
+    if bool(requested) and not available:
+        raise ValueError(
+            f"flexattn: kernel_options FAST_TANH=True needs an NVIDIA GPU and float16, bfloat16 or "
+            f"float32 inputs, got {dtype} on {device}"
+            f"{' under the Triton interpreter' if _compat.triton_interpreter_requested() else ''}")
+    return bool(requested)
+
+
+class _HardwareTanh(WrapperHandler):
+    """Ops handler that answers ``tanh`` with the hardware instruction (float32 in and out)
+    and passes every other op through."""
+
+    def tanh(self, x):
+        x32 = self._inner.to_dtype(x, torch.float32)
+        return self._inner.inline_asm_elementwise(
+            x32, asm=HARDWARE_TANH_ASM, constraints="=f,f", dtype=torch.float32, is_pure=True, pack=1)
+
+
+def _with_hardware_tanh(loader):
+    def inner_fn(index):
+        with V.set_ops_handler(_HardwareTanh(V.get_ops_handler())):
+            return loader(index)
+    return inner_fn
+
+
 def _placeholder(name: str, dtype: torch.dtype, device: torch.device) -> ir.TensorBox:
     layout = ir.FixedLayout(device, dtype, [], [])
     return ir.TensorBox.create(ir.InputBuffer(name=name, layout=layout))
@@ -53,11 +104,14 @@ def build_mod_buffer(
     device: torch.device,
     captured: Sequence,
     what: str,
+    *,
+    fast_tanh: bool = False,
 ) -> ir.ComputedBuffer:
     """Lower one mod graph to a 0-d ComputedBuffer for ``modification``.
 
     ``captured`` are the realized IR nodes (or sympy scalars) of the mod's buffers, in
-    the graph's placeholder order after the scalar arguments.
+    the graph's placeholder order after the scalar arguments. ``fast_tanh``: the mod's
+    tanh becomes the hardware instruction (``use_fast_tanh``).
     """
     args = [_placeholder(name, dtype or query_dtype, device) for name, dtype in arg_specs]
     lowering = PointwiseSubgraphLowering(graph_module, root_graph_lowering=V.graph)
@@ -85,7 +139,10 @@ def build_mod_buffer(
         )
     # Whatever the output node is (a pointwise op, a placeholder passed through, a view),
     # its loader is an elementwise expression of the loads above.
-    body = ir.Pointwise(device=device, dtype=result.get_dtype(), inner_fn=result.make_loader(), ranges=[])
+    loader = result.make_loader()
+    if fast_tanh:
+        loader = _with_hardware_tanh(loader)
+    body = ir.Pointwise(device=device, dtype=result.get_dtype(), inner_fn=loader, ranges=[])
     buffer = ir.ComputedBuffer(
         name=None,
         layout=ir.FlexibleLayout(device=device, dtype=result.get_dtype(), size=[]),
