@@ -41,14 +41,20 @@ class ForwardConfig:
 # Default per (GPU generation, padded QK head dim, dtype width). "sm90" is Hopper and
 # newer, "sm80" Ampere/Ada; "generic" is any other device, including CPU tensors run by
 # the Triton interpreter (where large tiles simply mean fewer interpreted steps).
-# The 16-bit Hopper/Ampere entries are the tiles FlashAttention-2 style kernels are
-# known to do best with on those parts: 128-row query tiles, 8 warps from D=128, a
-# 3-stage K/V pipeline, and a narrower KV step at D=256 to stay within shared memory.
+# The 16-bit sm90 entries were measured with bench/tune_forward.py on an H200 (bf16,
+# S=8192, no mask and causal; TFLOP/s, torch flex's own defaults in brackets):
+#   D=64:  128x128 w4 s3: 410 no mask [406], 389 causal [367]
+#   D=128: 128x64  w4 s2: 488 no mask [470], 459 causal [411]; w8 s3 gave 447 / 432
+#   D=256: 128x64  w8 s2: 456 no mask [377], 454 causal [305]; 64x32 w4 s3 far behind
+# Two stages with four warps at D=128 leave each warp 32 query rows and more registers
+# for the score tile; at D=256 the 128-row tile needs eight warps to hold its
+# accumulator. The sm80 entries are the FlashAttention-2 style tiles (128-row query
+# tiles, a 3-stage K/V pipeline, a narrow KV step at D=256), not measured here.
 # float32 doubles the bytes per tile, so its tiles are smaller.
 DEFAULTS: dict[tuple[str, int, str], ForwardConfig] = {
     ("sm90", 64, "16bit"): ForwardConfig(128, 128, 4, 3),
-    ("sm90", 128, "16bit"): ForwardConfig(128, 64, 8, 3),
-    ("sm90", 256, "16bit"): ForwardConfig(64, 32, 4, 3),
+    ("sm90", 128, "16bit"): ForwardConfig(128, 64, 4, 2),
+    ("sm90", 256, "16bit"): ForwardConfig(128, 64, 8, 2),
     ("sm90", 64, "fp32"): ForwardConfig(128, 32, 4, 3),
     ("sm90", 128, "fp32"): ForwardConfig(32, 64, 4, 3),
     ("sm90", 256, "fp32"): ForwardConfig(32, 32, 4, 3),
@@ -68,6 +74,8 @@ DEFAULTS: dict[tuple[str, int, str], ForwardConfig] = {
 
 # Extra candidates benchmarked under max_autotune (after filtering).
 AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
+    ForwardConfig(128, 64, 8, 3),
+    ForwardConfig(128, 128, 4, 3),
     ForwardConfig(128, 128, 8, 3),
     ForwardConfig(128, 64, 4, 3),
     ForwardConfig(128, 64, 8, 2),
