@@ -11,7 +11,7 @@ every mode (``fwd``: forward; ``fwdbwd``: forward and backward together) it runs
 SDPA runs only where the variant exists (no mask, causal). Each cell records the median
 time of many runs (``triton.testing.do_bench``, after compile and warm-up), TFLOP/s over
 the unmasked entries, the first call's wall time (compile included, after
-``torch._dynamo.reset()``), the peak extra memory of one call and the largest absolute
+``torch._dynamo.reset()``, in a process warmed up by one throwaway compile per library and mode), the peak extra memory of one call and the largest absolute
 difference of its output (and gradients) from torch_flex's. A cell that fails keeps its
 error string and the run goes on. Writes ``attention-<gpu>-<date>.json``, ``latest.json``
 and the markdown table beside them, and prints the table last.
@@ -293,6 +293,40 @@ def _backend_context(impl: str):
     if impl == "sdpa_cudnn":
         return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
     return contextlib.nullcontext()
+
+
+def warm_up_compilers(settings: Settings, modes: list[str]) -> None:
+    """Compile and run each flex library once on a tiny problem with a throwaway score_mod
+    before the suite, per mode.
+
+    The first compile in a process also pays for one-time start-up (Inductor's and
+    AOTAutograd's first use, the first backward graph); without this that cost would land
+    on whichever library the first case compiles first. The throwaway mod and shape share
+    no kernel with the suite, so every case's compile_s is still the compile of a new
+    score_mod in a warm process.
+    """
+    def halve(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    for impl in FLEX_IMPLS:
+        if all((impl, mode) in settings.not_run for mode in modes):
+            continue
+        library = flexattn if impl == "flexattn" else torch_flex
+        compiled = torch.compile(library.flex_attention, fullgraph=True, backend=settings.compile_backend)
+        for mode in modes:
+            if (impl, mode) in settings.not_run:
+                continue
+            q, k, v = (torch.randn(1, 1, 256, 64, device=settings.device, dtype=settings.dtype,
+                                   requires_grad=mode == "fwdbwd") for _ in range(3))
+            torch._dynamo.reset()
+            try:
+                out = compiled(q, k, v, score_mod=halve)
+                if mode == "fwdbwd":
+                    out.sum().backward()
+            except Exception as error:  # noqa: BLE001 - the suite's own cells report failures
+                print(f"warning: warm-up of {impl} {mode} failed: {error_text(error)[:160]}", file=sys.stderr,
+                      flush=True)
+    _synchronize(settings.device)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -783,6 +817,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "dry_run": args.dry_run,
             "compile_backend": backend,
             "compile_caches": "fresh" if cache_folder else "kept",
+            "compile_warm_up": "each flex library compiled a tiny throwaway case per mode before the suite",
             "warmup_ms": settings.warmup_ms,
             "rep_ms": settings.rep_ms,
             "timer": "triton.testing.do_bench median" if device.type == "cuda" else f"perf_counter median of {settings.cpu_reps}",
@@ -799,6 +834,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         stem += "-part{}of{}".format(*_parse_part(args.part))
     total_start = time.perf_counter()
     try:
+        warm_up_compilers(settings, modes)
         for case in cases:
             print(f"case {case.name} ({', '.join(modes)})", file=sys.stderr, flush=True)
             info, cells = run_case(case, modes, settings)
