@@ -214,3 +214,52 @@ def use_interpreter_libdevice() -> None:
 
     if not isinstance(triton_helpers.libdevice, _InterpreterLibdevice):
         triton_helpers.libdevice = _InterpreterLibdevice(triton_helpers.libdevice)
+
+
+# --------------------------------------------------------------------------------------
+# Template workspaces (the decode kernel's tile counters)
+# --------------------------------------------------------------------------------------
+def graph_zeroed_workspace(count, device: torch.device, outer_name: str, inner_name: str, dtype: torch.dtype):
+    """A template workspace of ``count`` elements that Inductor zeroes once per call of the
+    compiled graph, before its first user (``WorkspaceZeroMode.ZERO_PER_GRAPH``): every
+    kernel using it must leave it zero. Users of one ``outer_name`` share one buffer (sized
+    for the largest) once ``share_template_workspace`` has been applied to their choices."""
+    from torch._inductor.codegen.common import WorkspaceArg, WorkspaceZeroMode
+
+    return WorkspaceArg(count=count, zero_mode=WorkspaceZeroMode.ZERO_PER_GRAPH, device=device,
+                        outer_name=outer_name, inner_name=inner_name, dtype=dtype)
+
+
+def share_template_workspace(choice, workspace) -> None:
+    """Let the kernels rendered from template ``choice`` use ``workspace`` under its own name.
+
+    ``TritonTemplate.generate`` (torch 2.11 and 2.13) gives each rendered kernel a fresh
+    workspace name, so that no two kernels share a workspace buffer; for a
+    ZERO_PER_GRAPH workspace that means an allocation and a zeroing kernel per call. Here
+    the rendered kernel gets ``workspace`` back, so every kernel of a graph naming it
+    shares one buffer, zeroed once per graph call.
+
+    Also: torch 2.11 sizes the autotuning benchmark's workspace as ``count`` bytes
+    (whatever the dtype, and unhinted when symbolic); 2.13 as hint(count) * itemsize,
+    which is set here for both.
+    """
+    import dataclasses
+
+    from torch._inductor.virtualized import V
+
+    original = choice.make_kernel_render
+
+    def make_kernel_render(out_node, *args, **kwargs):
+        kernel, render = original(out_node, *args, **kwargs)
+        renamed = kernel.workspace_arg
+        if renamed is not None:
+            shared = dataclasses.replace(renamed, outer_name=workspace.outer_name)
+            kernel.workspace_arg = shared
+            kernel.args.workspace_args = [shared if arg is renamed else arg for arg in kernel.args.workspace_args]
+        return kernel, render
+
+    choice.make_kernel_render = make_kernel_render
+    bmreq = getattr(choice, "bmreq", None)
+    if bmreq is not None and getattr(bmreq, "workspace_size", None) is not None:
+        count = int(V.graph.sizevars.optimization_hint(workspace.count))
+        bmreq.workspace_size = count * workspace.dtype.itemsize

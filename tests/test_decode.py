@@ -13,11 +13,20 @@ the mods below add the offset S - L themselves, read from a captured tensor.
 Shapes depend on the device: small in the interpreter (float16/float32), larger on CUDA
 (plus bfloat16). Most cases pin FORCE_DECODE=True so that short KV lengths exercise the
 decode kernel too; ``test_kernel_choice`` checks the automatic choice.
+
+The shares of a tile are merged in the kernel by default (FUSED_MERGE, one launch) or by
+a second pass (FUSED_MERGE=False); the cases most likely to break a merge run both
+(``MERGES``). The interpreter runs a grid's programs one after another in index order,
+so the last share of a tile to finish is always its highest active one; the
+``reordered_programs`` fixture runs them in a scrambled order instead, so that any share
+may be the one that merges.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import zlib
 
 import pytest
@@ -48,6 +57,9 @@ OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, PRESCALE_QK=False,
 
 
 pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+
+#: The two ways of merging the shares (see lowering/decode.py).
+MERGES = {"fused_merge": {"FUSED_MERGE": True}, "merge_pass": {"FUSED_MERGE": False}}
 
 
 def scaled(cpu, cuda):
@@ -159,11 +171,12 @@ GROUPS_AND_LENGTHS = [(1, 1), (2, 3), (4, 1), (8, 1), (8, 7), (4, 16), (2, 64), 
     [(8, 64), (4, 40), (1, 64)] if ON_CUDA else [])
 
 
+@pytest.mark.parametrize("merge", sorted(MERGES))
 @pytest.mark.parametrize("group,L", GROUPS_AND_LENGTHS, ids=lambda x: str(x))
-def test_groups_and_query_lengths(group, L):
+def test_groups_and_query_lengths(group, L, merge):
     S = scaled(200, 2000)
     run_case(B=2, Hq=2 * group, Hkv=2, L=L, S=S, mask_mod=causal_at(_offset(L, S)),
-             seed=group * 100 + L)
+             options=MERGES[merge], seed=group * 100 + L)
 
 
 KV_LENGTHS = [1, 17, 129, 1000] + ([4097, 32768] if ON_CUDA else [])
@@ -205,9 +218,11 @@ def test_mods(case, dtype):
              seed=zlib.crc32(case.encode()))
 
 
-def test_captured_tensors_indexed_by_every_index():
+@pytest.mark.parametrize("merge", sorted(MERGES))
+def test_captured_tensors_indexed_by_every_index(merge):
     """Bias tables indexed by b, h (per packed row), q_idx and kv_idx, and per-batch
-    cache lengths: each sequence of the batch has its own number of valid keys."""
+    cache lengths: each sequence of the batch has its own number of valid keys (so the
+    tiles of one call have different numbers of active shares)."""
     B, Hq, Hkv, L, S = 3, 8, 2, 4, scaled(150, 1500)
     g = torch.Generator().manual_seed(7)
     bias_b, bias_h = torch.randn(B, generator=g).to(DEVICE), torch.randn(Hq, generator=g).to(DEVICE)
@@ -220,11 +235,13 @@ def test_captured_tensors_indexed_by_every_index():
     def mask_mod(b, h, q_idx, kv_idx):
         return q_idx + lengths[b] - L >= kv_idx
 
-    run_case(dtype=torch.float32, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, score_mod=score_mod, mask_mod=mask_mod)
+    run_case(dtype=torch.float32, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, score_mod=score_mod, mask_mod=mask_mod,
+             options=MERGES[merge])
 
 
+@pytest.mark.parametrize("merge", sorted(MERGES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_fully_masked_rows(dtype):
+def test_fully_masked_rows(dtype, merge):
     """Head 1 and query row 0 see nothing: out 0, lse and max -inf there."""
     L, S = 3, scaled(140, 1400)
     off = _offset(L, S)
@@ -232,7 +249,7 @@ def test_fully_masked_rows(dtype):
     def mask_mod(b, h, q_idx, kv_idx):
         return (h != 1) & (q_idx > 0) & (q_idx + off[b] >= kv_idx)
 
-    out, _ = run_case(dtype=dtype, Hq=4, Hkv=2, L=L, S=S, mask_mod=mask_mod)
+    out, _ = run_case(dtype=dtype, Hq=4, Hkv=2, L=L, S=S, mask_mod=mask_mod, options=MERGES[merge])
     for dead in (out[0][:, 1], out[0][:, :, 0]):
         assert torch.all(dead == 0)
     for aux in (out[1], out[2]):
@@ -257,13 +274,118 @@ def test_per_head_block_mask():
 # --------------------------------------------------------------------------------------
 # Splits, tiles, block sizes, options
 # --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("merge", sorted(MERGES))
 @pytest.mark.parametrize("split", [1, 3, 16])
-def test_split_kv_pinned(split):
+def test_split_kv_pinned(split, merge):
     """One share, uneven shares, and more shares than KV steps (some shares empty)."""
     L, S = 2, scaled(250, 2500)
     _, _, code = run_case(Hq=4, Hkv=2, L=L, S=S, mask_mod=window_at(_offset(L, S), S // 2),
-                          options={"SPLIT_KV": split}, with_code=True)
+                          options={"SPLIT_KV": split, **MERGES[merge]}, with_code=True)
     assert f"'SPLIT_KV': {split}," in code
+    # One share never needs a merge; otherwise FUSED_MERGE decides.
+    two_launches = split > 1 and not MERGES[merge]["FUSED_MERGE"]
+    assert len(_decode_kernels(code)) == (2 if two_launches else 1)
+
+
+def _decode_kernels(code: str) -> list[str]:
+    """Names of the template kernels launched by the generated code."""
+    return re.findall(r"^\s+(triton_tem_\w+)\.run\(", code, re.M)
+
+
+@pytest.fixture
+def reordered_programs(monkeypatch):
+    """Run each grid's programs in a scrambled order in the Triton interpreter (program
+    i of n runs as program (i * a) mod n, a coprime with n), so that the last share of a
+    tile to finish is not its last index."""
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's program order; a GPU runs programs in any order anyway")
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.set_grid_idx
+
+    def set_grid_idx(self, x, y, z):
+        nx, ny, nz = self.grid_dim
+        n = nx * ny * nz
+        step = next(a for a in range(n // 2 + 1, 2 * n + 2) if math.gcd(a, n) == 1)
+        flat = ((x * ny + y) * nz + z) * step % n
+        original(self, flat // (ny * nz), flat // nz % ny, flat % nz)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "set_grid_idx", set_grid_idx)
+
+
+@pytest.mark.parametrize("split,S,L,group,window", [
+    (2, 17, 1, 4, None),         # fewer steps than shares: one active share writes directly
+    (5, 255, 3, 4, 100),         # a window: 2 of 5 shares active per tile
+    (16, 1000, 7, 2, 300),       # many shares, odd lengths
+    (4, 129, 64, 1, None),       # long query: several query tiles per head
+    (3, 1000, 1, 8, 1000),       # every share active
+], ids=str)
+def test_fused_merge_in_any_program_order(reordered_programs, split, S, L, group, window):
+    """Whichever share finishes last merges the tile, in one launch."""
+    off = _offset(L, S)
+    mask_mod = causal_at(off) if window is None else window_at(off, window)
+    _, _, code = run_case(B=2, Hq=2 * group, Hkv=2, L=L, S=S, mask_mod=mask_mod, score_mod=alibi_at(off, 2 * group),
+                          options={"SPLIT_KV": split, "FUSED_MERGE": True}, with_code=True, seed=split * S + L)
+    assert len(_decode_kernels(code)) == 1
+
+
+def test_fused_merge_fully_masked_tiles_any_order(reordered_programs):
+    """Tiles with no visible key at all (every share empty) and rows masked inside
+    otherwise live tiles."""
+    L, S = 3, 300
+    off = _offset(L, S)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (b == 0) & (q_idx != 1) & (q_idx + off[b] >= kv_idx)
+
+    out, _ = run_case(B=2, Hq=4, Hkv=2, L=L, S=S, mask_mod=mask_mod, options={"SPLIT_KV": 4})
+    assert torch.all(out[0][1] == 0) and torch.all(out[0][0, :, 1] == 0)
+    assert torch.all(out[1][1] == float("-inf")) and torch.all(out[1][0, :, 1] == float("-inf"))
+
+
+def test_tile_counters_shared_and_left_zero():
+    """Decode calls of one graph share one counter workspace, zeroed once per graph call
+    and sized for the call with the most tiles; each kernel leaves it zero for the next
+    (a counter left non-zero would make the next call's last share miss its turn and
+    leave its output unwritten: NaN from the poisoned allocator). Calling the compiled
+    graph again gives the same outputs, bit for bit."""
+    E, S = 16, scaled(200, 2000)
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 2, S, E, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    queries = [torch.randn(2, 8, L, E, generator=g).to(DEVICE, torch.float16) for L in (1, 16, 1)]
+    masks = [create_block_mask(causal_at(_offset(q.shape[2], S)), None, None, q.shape[2], S, device=DEVICE)
+             for q in queries]
+    options = {"SPLIT_KV": 3, "FUSED_MERGE": True, "FORCE_DECODE": True}
+
+    def fn(k, v, *queries):
+        return [flexattn.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=options)
+                for q, bm in zip(queries, masks)]
+
+    compiled = torch.compile(fn, fullgraph=True)
+    _poison_allocator(1 << 20)
+    outs, code = run_and_get_code(compiled, k, v, *queries)
+    code = "\n".join(code)
+    assert len(_decode_kernels(code)) == 3
+    assert len(re.findall(rf"^\s+{dec.COUNTERS_WORKSPACE}\w* = ", code, re.M)) == 1
+    assert len(re.findall(rf"^\s+{dec.COUNTERS_WORKSPACE}\w*\.zero_\(\)", code, re.M)) == 1
+    for q, bm, out in zip(queries, masks, outs):
+        expect = flexattn.flex_attention(q.double(), k.double(), v.double(), block_mask=bm, enable_gqa=True)
+        torch.testing.assert_close(out.double(), expect, atol=2e-3, rtol=2e-3)
+    again = compiled(k, v, *queries)
+    for first, second in zip(outs, again):
+        assert torch.equal(first, second)
+
+
+def test_fused_merge_autotuned():
+    """max_autotune benchmarks every candidate config, each with its own zeroed counter
+    workspace (run many times: each run leaves it zero for the next)."""
+    with torch._inductor.config.patch(max_autotune=True):
+        run_case(B=1, Hq=2, Hkv=1, L=1, S=129, E=16, options={"SPLIT_KV": 2, "FUSED_MERGE": True})
+
+
+def test_bad_fused_merge():
+    with pytest.raises(Exception, match="FUSED_MERGE must be True or False"):
+        _code_for(1, 300, {"FUSED_MERGE": "yes"})
 
 
 @pytest.mark.parametrize("block_size,L", [(16, 40), ((32, 64), 5), (64, 1)], ids=str)
@@ -375,7 +497,8 @@ def test_public_api_decode_step_eager():
     assert aux.lse.shape == aux.max_scores.shape == (B, Hq, L)
 
 
-def test_growing_cache_dynamic_shapes():
+@pytest.mark.parametrize("merge", sorted(MERGES))
+def test_growing_cache_dynamic_shapes(merge):
     """Decode steps against a cache that grows: after the second length Dynamo compiles
     with a symbolic KV length, and the same decode kernel serves every later step."""
     B, Hq, Hkv, E = 2, 4, 2, 16
@@ -385,7 +508,27 @@ def test_growing_cache_dynamic_shapes():
         k = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
         v = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
         bm = flexattn.create_block_mask(window_at(_offset(1, S), 100), None, None, 1, S, device=DEVICE)
-        out = compiled(q, k, v, block_mask=bm, enable_gqa=True)
+        out = compiled(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=MERGES[merge])
+        ref = flexattn.flex_attention(q.double(), k.double(), v.double(), block_mask=bm, enable_gqa=True)
+        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("merge", sorted(MERGES))
+def test_dynamic_batch(merge):
+    """A symbolic batch (marked dynamic): the number of tiles, and so of tile counters,
+    is symbolic too, and one compiled graph serves every batch size."""
+    Hq, Hkv, L, E, S = 4, 2, 3, 16, scaled(300, 3000)
+    compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+    g = torch.Generator().manual_seed(11)
+    bm = flexattn.create_block_mask(causal_at(_offset(L, S)), None, None, L, S, device=DEVICE)
+    options = {"FORCE_DECODE": True, "SPLIT_KV": 3, **MERGES[merge]}
+    for i, B in enumerate((2, 3, 5)):
+        q = torch.randn(B, Hq, L, E, generator=g).to(DEVICE, torch.float16)
+        k, v = (torch.randn(B, Hkv, S, E, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 0)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = compiled(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=options)
         ref = flexattn.flex_attention(q.double(), k.double(), v.double(), block_mask=bm, enable_gqa=True)
         torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
 

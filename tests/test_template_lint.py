@@ -1,6 +1,7 @@
 """Lint of the rendered templates: the Triton code Inductor generates from each flexattn
 template (forward, backward with captured-tensor gradients, decode and its merge) passes
-pyflakes, apart from what every Inductor kernel carries.
+pyflakes, apart from what every Inductor kernel carries. The decode kernel is checked in
+its three forms: one launch with the merge fused, two launches, and one share.
 
 Allowed: unused imports (Inductor's kernel header) and unused local assignments (every
 function of a template gets all the kernel's constexprs from ``gen_defines()``, and an
@@ -83,14 +84,20 @@ def test_forward_and_backward_kernels_lint_clean():
     _assert_clean(_template_kernels(step, q, k, v), expect_at_least=2)
 
 
-def test_decode_kernels_lint_clean():
+@pytest.mark.parametrize("options,kernels", [
+    ({}, 1),                                     # one launch: the last share merges
+    ({"FUSED_MERGE": False}, 2),                 # the split-KV pass and the merge pass
+    ({"SPLIT_KV": 1}, 1),                        # one share: the output written directly
+], ids=["fused_merge", "merge_pass", "split_kv_1"])
+def test_decode_kernels_lint_clean(options, kernels):
     q = torch.randn(1, 4, 1, 16, device=DEVICE)
     k, v = (torch.randn(1, 2, 512, 16, device=DEVICE) for _ in range(2))
     block_mask = flexattn.create_block_mask(mods.sliding_window(200), None, None, 1, 512, device=DEVICE)
 
     def decode(q, k, v):
         return flexattn.flex_attention(q, k, v, score_mod=mods.tanh_softcap(20.0), block_mask=block_mask,
-                                       enable_gqa=True)
+                                       enable_gqa=True, kernel_options={**options, "SPLIT_KV": options.get("SPLIT_KV", 4)})
 
-    # The split-KV pass and the merge pass.
-    _assert_clean(_template_kernels(decode, q, k, v), expect_at_least=2)
+    found = _template_kernels(decode, q, k, v)
+    assert len(found) == kernels, list(found)
+    _assert_clean(found, expect_at_least=kernels)

@@ -1,14 +1,24 @@
 """Inductor lowering of ``flex_attention_hop`` onto the split-KV decode kernel.
 
 For short queries (decoding: a few new tokens against a long KV cache) the forward
-lowering hands the call here (``use_decode_kernel``). Two Triton templates run:
+lowering hands the call here (``use_decode_kernel``). ``templates/decode.py.jinja`` packs
+the query heads of one GQA group into one tile of rows and shares the KV steps the
+BlockMask lists for the tile among ``SPLIT_KV`` programs; each ends with an unnormalised
+partial result (acc, running max, running sum). The shares are merged (rescaled to a
+common max, normalised; out, lse and max written) in one of two ways,
+``kernel_options["FUSED_MERGE"]`` (default ``FUSED_MERGE_DEFAULT``, True):
 
-1. ``templates/decode.py.jinja``: the query heads of one GQA group are packed into one
-   tile of rows, and the KV steps the BlockMask lists for the tile are shared among
-   ``SPLIT_KV`` programs; each writes an unnormalised partial result (acc, running max,
-   running sum) in float32;
-2. ``templates/decode_merge.py.jinja``: one program per few query rows rescales the
-   partial results to a common max, normalises, and writes out, lse and max.
+* True, one launch: the last program of a tile to finish merges the tile's partials
+  itself; it learns that it is last from a per-tile counter (an atomic add) in an
+  int32 workspace that Inductor zeroes once per compiled-graph call, shared by every
+  decode kernel of the graph (``COUNTERS_WORKSPACE``; each kernel leaves it zero). A tile
+  whose steps fit in one share, and every tile with ``SPLIT_KV == 1``, is finished by
+  that one program without partials or counter;
+* False, two launches: every program writes its partials in float32 and
+  ``templates/decode_merge.py.jinja`` merges them, one program per few query rows.
+
+The merge arithmetic is the pair of helpers at the end of decode_merge.py.jinja, used by
+both ways.
 
 Choices made here on the host, from static shapes (size hints when symbolic: a choice
 only affects speed, every choice is correct for every size):
@@ -28,7 +38,8 @@ only affects speed, every choice is correct for every size):
   calls with no more programs than multiprocessors; ``kernel_options`` ``BLOCK_N``,
   ``num_warps`` and ``num_stages`` (the keys the forward kernel reads too) pin them.
   ``BLOCK_M`` and the ``fwd_*`` keys tile the main kernel only: the decode tile's rows
-  follow from the packing.
+  follow from the packing;
+* the merge (``fused_merge``): ``kernel_options["FUSED_MERGE"]`` as above.
 
 The chosen configuration is logged on the ``flexattn.lowering`` logger like the
 forward's (at INFO; WARNING with DEBUG_CONFIG).
@@ -49,6 +60,7 @@ from torch._inductor import ir
 from torch._inductor.lowering import empty_strided
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
 from torch._inductor.virtualized import V
+from torch.utils._sympy.functions import FloorDiv
 
 from .. import _compat
 from ..templates import kernel_source, read_template
@@ -96,6 +108,15 @@ MAX_SPLIT_KV = 256
 VIRTUAL_SMS = 2
 #: Rows merged per program in the second pass (at most; fewer for shorter queries).
 MERGE_ROWS = 16
+#: FUSED_MERGE when kernel_options does not set it: the one-launch merge.
+FUSED_MERGE_DEFAULT = True
+#: Name of the tile-counter workspace of the one-launch merge (per device; one buffer for
+#: every decode kernel of a compiled graph) and its name inside the kernel.
+COUNTERS_WORKSPACE = "flexattn_decode_counters"
+COUNTERS_ARG = "TILE_COUNTERS"
+#: decode_merge.py.jinja from this line on holds the merge helpers that the decode
+#: kernel shares.
+MERGE_HELPERS_MARK = "{#- ---- merge helpers"
 
 
 @dataclass(frozen=True)
@@ -165,15 +186,21 @@ def merge_grid(batch, q_heads, q_len, meta, *, cdiv):
     return (cdiv(q_len, meta["BLOCK_R"]), batch, q_heads)
 
 
+def _merge_helpers_source() -> str:
+    text = read_template("decode_merge")
+    at = text.index(MERGE_HELPERS_MARK)
+    return text[at:]
+
+
 decode_template = TritonTemplate(
     name=DECODE_TEMPLATE_NAME,
     grid=decode_grid,
-    source=kernel_source("decode"),
+    source=read_template("decode") + "\n" + _merge_helpers_source() + "\n" + read_template("common"),
 )
 merge_template = TritonTemplate(
     name=MERGE_TEMPLATE_NAME,
     grid=merge_grid,
-    source=read_template("decode_merge"),
+    source=kernel_source("decode_merge"),
 )
 
 
@@ -261,6 +288,16 @@ def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict
     wanted = max(PROGRAMS_PER_SM * sms // max(programs, 1), MIN_SPLIT_KV)
     useful = math.ceil(max_steps / MIN_STEPS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLIT_KV))
+
+
+def fused_merge(kernel_options: dict[str, Any]) -> bool:
+    """kernel_options["FUSED_MERGE"] (a bool), FUSED_MERGE_DEFAULT when absent."""
+    value = kernel_options.get("FUSED_MERGE")
+    if value is None:
+        return FUSED_MERGE_DEFAULT
+    if not isinstance(value, bool):
+        raise DecodeOptionError(f"flexattn: kernel_options FUSED_MERGE must be True or False, got {value!r}")
+    return value
 
 
 def _pinned(kernel_options: dict[str, Any]) -> dict[str, int]:
@@ -387,14 +424,33 @@ def lower_to_decode_template(
     usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, sparse_kv,
                                kernel_options)
 
+    # One launch unless FUSED_MERGE=False asks for the merge pass (one share needs none).
+    fused = split_kv == 1 or fused_merge(kernel_options)
     v_dim = spec["V_HEAD_DIM"]
-    acc_layout = ir.FixedLayout(device, torch.float32, [B, Hq, L, split_kv, v_dim],
-                                ir.FlexibleLayout.contiguous_strides([B, Hq, L, split_kv, v_dim]))
-    m_part = realize_fixed(empty_strided([B, Hq, L, split_kv], None, dtype=torch.float32, device=device))
-    l_part = realize_fixed(empty_strided([B, Hq, L, split_kv], None, dtype=torch.float32, device=device))
+    part_size = [B, Hq, L, split_kv]
 
-    input_nodes = [query, key, value, m_part, l_part, kv_num_blocks, kv_indices,
-                   full_kv_num_blocks, full_kv_indices]
+    def scratch(size):
+        return realize_fixed(empty_strided(size, None, dtype=torch.float32, device=device))
+
+    workspace = None
+    if not fused:
+        # The template's output is the partial acc; the merge pass makes out, lse and max.
+        layout = ir.FixedLayout(device, torch.float32, [*part_size, v_dim],
+                                ir.FlexibleLayout.contiguous_strides([*part_size, v_dim]))
+        m_part, l_part = scratch(part_size), scratch(part_size)
+        buffers = [m_part, l_part]
+    else:
+        layout = output_layout(query, v_dim)
+        lse, row_max = scratch([B, Hq, L]), scratch([B, Hq, L])
+        buffers = [lse, row_max]
+        if split_kv > 1:
+            buffers = [scratch([*part_size, v_dim]), scratch(part_size), scratch(part_size), *buffers]
+            tiles = B * head_tiles * FloorDiv(L + pack.block_q - 1, pack.block_q)
+            workspace = _compat.graph_zeroed_workspace(
+                tiles, device, f"{COUNTERS_WORKSPACE}_{device.type}_{device.index or 0}", COUNTERS_ARG, torch.int32)
+
+    # The order of decode.py.jinja's def_kernel.
+    input_nodes = [query, key, value, *buffers, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices]
     known = sizevars.statically_known_true
     shared = {
         **spec,
@@ -403,6 +459,8 @@ def lower_to_decode_template(
         "BLOCK_Q": pack.block_q,
         "BLOCK_M": pack.block_m,
         "SPLIT_KV": split_kv,
+        "SPLIT_KV_PAD": _next_power_of_two(split_kv),
+        "FUSED_MERGE": fused,
         "IS_DIVISIBLE_N": known(sympy.Eq(sympy.Mod(S, sparse_kv), 0)),
     }
     choices: list[Any] = []
@@ -412,34 +470,41 @@ def lower_to_decode_template(
         error = decode_template.maybe_append_choice(
             choices,
             input_nodes=input_nodes,
-            layout=acc_layout,
+            layout=layout,
             subgraphs=[score_buffer, mask_buffer],
-            mutated_inputs=[m_part, l_part],
+            mutated_inputs=buffers,
             call_sizes=[B, sympy.Integer(head_tiles), L],
             num_stages=cfg.num_stages,
             num_warps=cfg.num_warps,
+            workspace_arg=workspace,
             **shared,
             BLOCK_N=cfg.block_n,
         )
         if error is not None:
             errors.append(f"{cfg.describe()}: {error}")
-        else:
-            config_of_choice[id(choices[-1].make_kernel_render)] = cfg
+            continue
+        if workspace is not None:
+            _compat.share_template_workspace(choices[-1], workspace)
+        config_of_choice[id(choices[-1].make_kernel_render)] = cfg
     if not choices:
         raise RuntimeError("flexattn: the decode template could not be generated for any "
                            "configuration:\n" + "\n".join(errors))
 
     captured = [b for b in (*score_mod_buffers, *mask_mod_buffers) if isinstance(b, ir.IRNode)]
+    n = 3 + len(buffers)   # the index of KV_NUM_BLKS
     if has_full_blocks:
-        input_gen_fns = {5: _benchmark_block_counts(kv_indices, 0.5), 6: _benchmark_block_indices,
-                         7: _benchmark_block_counts(full_kv_indices, 0.5), 8: _benchmark_full_block_indices}
+        input_gen_fns = {n: _benchmark_block_counts(kv_indices, 0.5), n + 1: _benchmark_block_indices,
+                         n + 2: _benchmark_block_counts(full_kv_indices, 0.5), n + 3: _benchmark_full_block_indices}
     else:
-        input_gen_fns = {5: _benchmark_block_counts(kv_indices, 1.0), 6: _benchmark_block_indices}
-    acc = _compat.autotune_select_node(
-        DECODE_TEMPLATE_NAME, choices, input_nodes + captured, acc_layout, input_gen_fns=input_gen_fns)
+        input_gen_fns = {n: _benchmark_block_counts(kv_indices, 1.0), n + 1: _benchmark_block_indices}
+    result = _compat.autotune_select_node(
+        DECODE_TEMPLATE_NAME, choices, input_nodes + captured, layout, input_gen_fns=input_gen_fns)
 
-    out, lse, row_max = _merge(acc, m_part, l_part, query, spec, split_kv)
-    _report_choice(acc, config_of_choice, usable, pack, split_kv, spec, query, key, kernel_options)
+    if fused:
+        out, lse, row_max = result, ir.TensorBox(lse), ir.TensorBox(row_max)
+    else:
+        out, lse, row_max = _merge(result, m_part, l_part, query, spec, split_kv)
+    _report_choice(result, config_of_choice, usable, pack, split_kv, fused, spec, query, key, kernel_options)
     return out, lse, row_max
 
 
@@ -475,7 +540,7 @@ def _merge(acc, m_part, l_part, query, spec, split_kv):
     return out, ir.TensorBox(lse), ir.TensorBox(row_max)
 
 
-def _report_choice(acc, config_of_choice, usable, pack, split_kv, spec, query, key, kernel_options) -> None:
+def _report_choice(acc, config_of_choice, usable, pack, split_kv, fused, spec, query, key, kernel_options) -> None:
     level = logging.WARNING if _debug_requested(kernel_options) else logging.INFO
     if not log.isEnabledFor(level):
         return
@@ -486,9 +551,10 @@ def _report_choice(acc, config_of_choice, usable, pack, split_kv, spec, query, k
     log.log(
         level,
         "flexattn decode: q %s k %s %s -> %s, SPLIT_KV=%d, HEADS_PER_TILE=%d BLOCK_Q=%d BLOCK_M=%d "
-        "(of %d candidate(s)); specialisations %s",
+        "(of %d candidate(s)), %s; specialisations %s",
         list(query.get_size()), list(key.get_size()), query.get_dtype(), what, split_kv,
         pack.heads_per_tile, pack.block_q, pack.block_m, len(usable),
+        "one launch (FUSED_MERGE)" if fused else "two launches (merge pass)",
         {k: spec[k] for k in ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
                               "HAS_SCORE_MOD", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE")},
     )
@@ -498,6 +564,7 @@ __all__ = [
     "DecodeConfig",
     "decode_grid",
     "decode_template",
+    "fused_merge",
     "lower_to_decode_template",
     "merge_grid",
     "merge_template",
