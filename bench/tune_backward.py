@@ -24,8 +24,16 @@ from _tuning import allow_recompiles
 from flexattn import mods
 
 
-def candidates(dim: int, exhaustive: bool) -> list[tuple[int, int, int, int, int, int]]:
-    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) to try at ``dim``."""
+def candidates(dim: int, exhaustive: bool, dq_atomic: bool = False) -> list[tuple[int, int, int, int, int, int]]:
+    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) to try at ``dim``.
+    With dQ atomics there are no dQ programs (BLOCK_M2/N2 unused), and a wide key tile
+    spreads each atomic dQ share over more keys."""
+    if dq_atomic:
+        tiles = [(64, 128, 64, 64), (32, 128, 64, 64), (64, 64, 64, 64), (128, 128, 64, 64)] if dim <= 128 \
+            else [(32, 64, 64, 64), (64, 64, 64, 64), (32, 128, 64, 64)]
+        stages = (1, 2, 3) if exhaustive or dim > 128 else (2, 3)
+        return [(*t, w, s) for t, w, s in itertools.product(tiles, (4, 8), stages)
+                if not (t[0] * t[1] >= 64 * 128 and w == 4)]
     if dim <= 64:
         tiles = [(64, 128, 128, 64), (32, 128, 128, 32), (64, 64, 64, 64)]
     elif dim <= 128:
@@ -43,6 +51,8 @@ def main() -> None:
     parser.add_argument("--dims", default="64,128,256")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--mask", choices=("causal", "no_mask"), default="causal")
+    parser.add_argument("--dq-atomic", choices=("default", "on", "off"), default="default",
+                        help="kernel_options DQ_ATOMIC: dQ through atomics in the dK/dV programs, or dQ programs")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384,
                         help="batch = tokens // seq (// 2 at D=256, as in the benchmark)")
@@ -75,12 +85,14 @@ def main() -> None:
         torch_tflops = flops / ms / 1e9
         print(f"D={dim} B={B}: torch flex {torch_tflops:.0f} TFLOP/s", flush=True)
         rows = []
-        for m1, n1, m2, n2, w, s in candidates(dim, args.exhaustive):
+        for m1, n1, m2, n2, w, s in candidates(dim, args.exhaustive, args.dq_atomic == "on"):
             if time.time() - start > args.budget:
                 print("  budget spent; stopping", flush=True)
                 break
             opts = dict(bwd_BLOCK_M1=m1, bwd_BLOCK_N1=n1, bwd_BLOCK_M2=m2, bwd_BLOCK_N2=n2,
                         bwd_num_warps=w, bwd_num_stages=s)
+            if args.dq_atomic != "default":
+                opts["DQ_ATOMIC"] = args.dq_atomic == "on"
             name = f"{m1}/{n1}/{m2}/{n2} w{w} s{s}"
             try:
                 ms = triton.testing.do_bench(fwd_bwd(ours, block_mask=bm, kernel_options=opts),

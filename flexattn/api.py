@@ -47,7 +47,7 @@ TILE_KERNEL_OPTIONS = frozenset({
     "fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_warps", "fwd_num_stages",
     "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_warps", "bwd_num_stages",
     "FORCE_USE_FLEX_ATTENTION", "FORCE_DECODE", "SPLIT_KV", "DETERMINISTIC", "USE_TMA",
-    "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG", "FAST_TANH", "FUSED_MERGE",
+    "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG", "FAST_TANH", "FUSED_MERGE", "DQ_ATOMIC",
 })
 KNOWN_KERNEL_OPTIONS = frozenset(DEFAULT_KERNEL_OPTIONS) | TILE_KERNEL_OPTIONS
 

@@ -392,6 +392,57 @@ def test_compiled_backward_uses_our_template():
     assert any(BACKWARD_MARK in c for c in code), "the flexattn backward template is not in the compiled code"
 
 
+# --------------------------------------------------------------------------------------
+# dQ through atomics (DQ_ATOMIC): the same bounds as the dQ-program path
+# --------------------------------------------------------------------------------------
+DQ_ATOMIC_CASES = {
+    "causal_odd": dict(L=scaled(47, 700), S=scaled(61, 900), make_mods=_no_buffers(None, mods.causal_mask)),
+    "gqa_softcap": dict(Hq=4, Hkv=2, L=scaled(48, 640), S=scaled(48, 640),
+                        make_mods=_no_buffers(mods.tanh_softcap(3.0), mods.causal_mask)),
+    "alibi_learnable_lse": dict(Hq=2, L=scaled(40, 512), S=scaled(40, 512), make_mods=_alibi_learnable(2),
+                                use_lse=True),
+    "document_padded_dim": dict(L=scaled(64, 512), S=scaled(64, 512), E=24, Ev=40,
+                                make_mods=_no_buffers(None, mods.document_mask(_doc_ids(scaled(64, 512))))),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else []), ids=str)
+@pytest.mark.parametrize("case", sorted(DQ_ATOMIC_CASES))
+def test_dq_atomic(case, dtype):
+    if not ON_CUDA and dtype == torch.float32 and case != "causal_odd":
+        pytest.skip("interpreter budget: float32 on one case")
+    run_case(dtype=dtype, options={"DQ_ATOMIC": True}, block_size=scaled(16, 128), seed=zlib.crc32(case.encode()),
+             **DQ_ATOMIC_CASES[case])
+
+
+@pytest.mark.parametrize("dq_atomic", [True, False])
+def test_dq_atomic_option_reaches_the_kernel(dq_atomic):
+    n = 32
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (_randn(gen, 1, 2, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+
+    def step(q, k, v):
+        out = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, kernel_options={"DQ_ATOMIC": dq_atomic}),
+                            backend="inductor", fullgraph=True)(q, k, v)
+        return torch.autograd.grad(out.float().square().sum(), (q, k, v))
+
+    _, code = run_and_get_code(step, q, k, v)
+    backward = next(c for c in code if BACKWARD_MARK in c)
+    assert f"DQ_ATOMIC : tl.constexpr = {dq_atomic}" in backward
+
+
+def test_dq_atomic_contradicts_deterministic():
+    n = 32
+    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v):
+        return flexattn.flex_attention(q, k, v, kernel_options={"DQ_ATOMIC": True, "DETERMINISTIC": True})
+
+    out = torch.compile(attend, backend="inductor", fullgraph=True)(q, k, v)
+    with pytest.raises(Exception, match="DQ_ATOMIC=True.*deterministic mode"):
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+
 @pytest.mark.parametrize("how", ["kernel_option", "torch_flag"])
 def test_deterministic_gradients_are_bitwise_equal(how):
     n = scaled(32, 1000)

@@ -61,3 +61,22 @@ def test_captured_float_that_changes_between_calls(path):
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
+
+
+def test_gradients_keep_their_batch_when_the_batch_becomes_symbolic():
+    """A second batch size and head dim make Dynamo recompile with a symbolic batch for
+    query and key/value each; the key/value gradients must not be summed over it (that
+    is only for a shared KV batch of 1)."""
+    compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+    L = 128
+    bm = flexattn.create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE)
+    for B, E in ((2, 32), (4, 16), (3, 16)):
+        q, k, v = (torch.randn(B, 2, L, E, device=DEVICE, requires_grad=True) for _ in range(3))
+        grad_out = torch.randn(B, 2, L, E, device=DEVICE)
+        grads = torch.autograd.grad(compiled(q, k, v, block_mask=bm), (q, k, v), grad_out)
+        q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        expected = torch.autograd.grad(flexattn.flex_attention(q64, k64, v64, block_mask=bm), (q64, k64, v64),
+                                       grad_out.double())
+        for got, want in zip(grads, expected):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)

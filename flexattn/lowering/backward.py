@@ -369,10 +369,11 @@ def backward_grid(batch, kv_heads, q_len, kv_len, meta, *, cdiv):
 
     program_id(0) below cdiv(kv_len, BLOCK_N1) is a dK/dV program for that key tile; the
     rest are dQ programs, GQA_GROUP_SIZE * cdiv(q_len, BLOCK_M2) of them (query head of
-    the group, query tile). program_id(1) is the batch index, program_id(2) the KV head.
+    the group, query tile), none with DQ_ATOMIC. program_id(1) is the batch index,
+    program_id(2) the KV head.
     """
-    return (cdiv(kv_len, meta["BLOCK_N1"]) + meta["GQA_GROUP_SIZE"] * cdiv(q_len, meta["BLOCK_M2"]),
-            batch, kv_heads)
+    dq_programs = 0 if meta["DQ_ATOMIC"] else meta["GQA_GROUP_SIZE"] * cdiv(q_len, meta["BLOCK_M2"])
+    return cdiv(kv_len, meta["BLOCK_N1"]) + dq_programs, batch, kv_heads
 
 
 backward_template = TritonTemplate(
@@ -384,6 +385,27 @@ backward_template = TritonTemplate(
 
 def deterministic_requested(kernel_options: dict[str, Any]) -> bool:
     return bool(kernel_options.get("DETERMINISTIC")) or torch.are_deterministic_algorithms_enabled()
+
+
+def use_dq_atomics(kernel_options: dict[str, Any], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether dQ comes from the dK/dV programs through float32 atomics (DQ_ATOMIC)
+    rather than from dQ programs that recompute the scores.
+
+    ``kernel_options["DQ_ATOMIC"]`` decides when given; by default the GPU generations
+    and dtypes in ``bcfgs.DQ_ATOMIC_DEFAULT`` use it. Deterministic mode never does
+    (asking for both is an error), nor do float64 inputs by default (gradcheck-grade
+    sums want a fixed order).
+    """
+    requested = kernel_options.get("DQ_ATOMIC")
+    deterministic = deterministic_requested(kernel_options)
+    if requested is None:
+        return not deterministic and dtype != torch.float64 and bcfgs.dq_atomic_default(device, dtype)
+    if bool(requested) and deterministic:
+        raise ValueError(
+            "flexattn: kernel_options DQ_ATOMIC=True adds dQ with float atomics, whose order varies "
+            "between runs, but deterministic mode (kernel_options DETERMINISTIC or "
+            "torch.use_deterministic_algorithms) is on; drop one of them")
+    return bool(requested)
 
 
 def compute_delta(out, grad_out, grad_logsumexp):
@@ -494,7 +516,13 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     )
 
     dk_layout = ir.FixedLayout(device, dtype, [B, Hkv, S, E], ir.FlexibleLayout.contiguous_strides([B, Hkv, S, E]))
-    grad_query = _dense_like([B, Hq, L, E], device, dtype)
+    spec["DQ_ATOMIC"] = use_dq_atomics(kernel_options, device, dtype)
+    if spec["DQ_ATOMIC"]:
+        # Unscaled float32 sums of the atomic adds; scaled and cast after the kernel.
+        grad_query = realize_fixed(lowerings[aten.full.default]([B, Hq, L, E], 0.0, dtype=torch.float32,
+                                                                device=device))
+    else:
+        grad_query = _dense_like([B, Hq, L, E], device, dtype)
     grad_value = _dense_like([B, Hkv, S, Ev], device, dtype)
 
     candidates = bcfgs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
@@ -545,12 +573,18 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
 
     grad_key, grad_value = ir.TensorBox(grad_key) if not isinstance(grad_key, ir.TensorBox) else grad_key, \
         ir.TensorBox(grad_value)
-    if not sizevars.statically_known_true(sympy.Eq(Bkv, B)):
+    # A KV batch of 1 shared by every query batch: its gradients are the sums over the
+    # batch. Any other KV batch equals the query batch (the API checks it), also when the
+    # two are different symbols under dynamic shapes (Dynamo specialises sizes 0 and 1).
+    if sizevars.statically_known_true(sympy.Eq(Bkv, 1)) and not sizevars.statically_known_true(sympy.Eq(B, 1)):
         grad_key = lowerings[aten.sum.dim_IntList](grad_key, [0], True)
         grad_value = lowerings[aten.sum.dim_IntList](grad_value, [0], True)
     buffer_grads = tuple(
         None if g is None else _finish_buffer_grad(g, buf) for g, buf in zip(grad_plan.grads, score_mod_buffers))
-    return ir.TensorBox(grad_query), grad_key, grad_value, buffer_grads
+    grad_query = ir.TensorBox(grad_query)
+    if spec["DQ_ATOMIC"]:
+        grad_query = to_dtype(lowerings[aten.mul.Tensor](grad_query, float(scale)), dtype)
+    return grad_query, grad_key, grad_value, buffer_grads
 
 
 def _finish_buffer_grad(grad, buf):
@@ -591,7 +625,8 @@ def _report_choice(node, config_of_choice, usable, spec, query, key, value, kern
             list(query.get_size()), list(key.get_size()), list(value.get_size()), query.get_dtype(),
             what, len(usable),
             {k: spec[k] for k in ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
-                                  "HAS_SCORE_MOD", "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N")})
+                                  "HAS_SCORE_MOD", "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N",
+                                  "DQ_ATOMIC")})
 
 
 __all__ = ["backward_grid", "backward_template", "lower_flex_attention_backward"]

@@ -79,6 +79,20 @@ DEFAULTS: dict[tuple[str, int, str], BackwardConfig] = {
     ("generic", 256, "fp32"): BackwardConfig(16, 32, 32, 16, 4, 1),
 }
 
+#: (GPU generation, dtype width) pairs whose backward adds dQ with atomics by default
+#: (kernel_options DQ_ATOMIC; see backward.use_dq_atomics). None: measured on an H200
+#: (bench/tune_backward.py --dq-atomic on, bf16, fwd+bwd TFLOP/s, best tiles of each):
+#: D=128 S=8192 no mask 403 with atomics vs 414 with dQ programs, causal 375 vs 382;
+#: D=256 causal S=4096 191 vs 220. The five-matmul schedule does not pay for its
+#: float32 atomics (and the registers of the dQ share) in these kernels.
+DQ_ATOMIC_GENERATIONS: frozenset[tuple[str, str]] = frozenset()
+
+
+def dq_atomic_default(device: torch.device, dtype: torch.dtype) -> bool:
+    width = "fp32" if dtype in (torch.float32, torch.float64) else "16bit"
+    return (gpu_generation(device), width) in DQ_ATOMIC_GENERATIONS
+
+
 # Extra candidates benchmarked under max_autotune (after filtering).
 AUTOTUNE_CANDIDATES: tuple[BackwardConfig, ...] = (
     BackwardConfig(64, 64, 64, 64, 8, 2),
