@@ -203,17 +203,30 @@ def _check_kernel_options(kernel_options: Any) -> dict[str, Any]:
 
 
 def _full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
-    """A BlockMask in which every KV block is fully visible to every query block."""
+    """A BlockMask in which every KV block is fully visible to every query block.
+
+    All eight tables are views of one ``arange`` (counts as one-element slices, block
+    lists as rows, expanded with stride 0), so under torch.compile the default mask costs
+    one tiny kernel per call rather than one per table (a decode step is a few
+    microseconds long).
+    """
     L, S = query.shape[-2], key.shape[-2]
     block = DEFAULT_BLOCK_SIZE
     q_blocks, kv_blocks = math.ceil(L / block), math.ceil(S / block)
-    device = query.device
-    empty = torch.zeros(1, 1, q_blocks, dtype=torch.int32, device=device)
-    order = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(1, 1, q_blocks, kv_blocks)
-    full = torch.full((1, 1, q_blocks), kv_blocks, dtype=torch.int32, device=device)
-    return BlockMask.from_kv_blocks(
-        empty, order.contiguous(), full, order.contiguous(), BLOCK_SIZE=block,
-        mask_mod=noop_mask, seq_lengths=(L, S),
+    counting = torch.arange(max(q_blocks, kv_blocks) + 1, dtype=torch.int32, device=query.device)
+
+    def count(value: int, rows: int) -> Tensor:
+        return counting[value:value + 1].view(1, 1, 1).expand(1, 1, rows)
+
+    def every_block(rows: int, columns: int) -> Tensor:
+        return counting[:columns].view(1, 1, 1, columns).expand(1, 1, rows, columns)
+
+    kv_order, q_order = every_block(q_blocks, kv_blocks), every_block(kv_blocks, q_blocks)
+    return BlockMask(
+        (L, S),
+        count(0, q_blocks), kv_order, count(kv_blocks, q_blocks), kv_order,
+        count(0, kv_blocks), q_order, count(q_blocks, kv_blocks), q_order,
+        BLOCK_SIZE=block, mask_mod=noop_mask,
     )
 
 

@@ -14,8 +14,8 @@ Shapes depend on the device: small in the interpreter (float16/float32), larger 
 (plus bfloat16). Most cases pin FORCE_DECODE=True so that short KV lengths exercise the
 decode kernel too; ``test_kernel_choice`` checks the automatic choice.
 
-The shares of a tile are merged in the kernel by default (FUSED_MERGE, one launch) or by
-a second pass (FUSED_MERGE=False); the cases most likely to break a merge run both
+The shares of a tile are merged by a second pass by default (FUSED_MERGE=False) or in
+the kernel (FUSED_MERGE=True, one launch); the cases most likely to break a merge run both
 (``MERGES``). The interpreter runs a grid's programs one after another in index order,
 so the last share of a tile to finish is always its highest active one; the
 ``reordered_programs`` fixture runs them in a scrambled order instead, so that any share

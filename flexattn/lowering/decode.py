@@ -6,7 +6,7 @@ the query heads of one GQA group into one tile of rows and shares the KV steps t
 BlockMask lists for the tile among ``SPLIT_KV`` programs; each ends with an unnormalised
 partial result (acc, running max, running sum). The shares are merged (rescaled to a
 common max, normalised; out, lse and max written) in one of two ways,
-``kernel_options["FUSED_MERGE"]`` (default ``FUSED_MERGE_DEFAULT``, True):
+``kernel_options["FUSED_MERGE"]`` (default ``FUSED_MERGE_DEFAULT``, False):
 
 * True, one launch: the last program of a tile to finish merges the tile's partials
   itself; it learns that it is last from a per-tile counter (an atomic add) in an
@@ -77,7 +77,7 @@ from .forward import (
     output_layout,
     realize_fixed,
 )
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod
+from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod, use_fast_tanh
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -108,8 +108,13 @@ MAX_SPLIT_KV = 256
 VIRTUAL_SMS = 2
 #: Rows merged per program in the second pass (at most; fewer for shorter queries).
 MERGE_ROWS = 16
-#: FUSED_MERGE when kernel_options does not set it: the one-launch merge.
-FUSED_MERGE_DEFAULT = True
+#: FUSED_MERGE when kernel_options does not set it: the two-launch merge. Measured on an
+#: H200 (bf16, 32 query heads on 8 KV heads, D=128, CUDA-graph times, SDPA beside):
+#: B=1 KV 8192 16.4 us fused vs 11.8 us two launches (SDPA 10.7); KV 32768 42.6 vs 38.5
+#: (37.2); B=8 KV 8192 79.9 vs 71.4 (65.9); KV 32768 260.7 vs 253.1 (238.4). The zeroing
+#: of the counters is a launch of its own in a one-call graph, and the release/acquire
+#: tail of every program costs more than the merge kernel saves.
+FUSED_MERGE_DEFAULT = False
 #: Name of the tile-counter workspace of the one-launch merge (per device; one buffer for
 #: every decode kernel of a compiled graph) and its name inside the kernel.
 COUNTERS_WORKSPACE = "flexattn_decode_counters"
@@ -399,10 +404,11 @@ def lower_to_decode_template(
     score_mod_buffers = [captured_for_kernel(b, query) for b in score_mod_buffers]
     mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
     has_score_mod = not is_identity_score_mod(score_mod.graph_module)
+    fast_tanh = use_fast_tanh(kernel_options, dtype, device)
     score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
-                                    as_tensor_boxes(score_mod_buffers), "score_mod")
+                                    as_tensor_boxes(score_mod_buffers), "score_mod", fast_tanh=fast_tanh)
     mask_buffer = build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
-                                   as_tensor_boxes(mask_mod_buffers), "mask_mod")
+                                   as_tensor_boxes(mask_mod_buffers), "mask_mod", fast_tanh=fast_tanh)
 
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
