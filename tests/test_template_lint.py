@@ -85,8 +85,8 @@ def test_forward_and_backward_kernels_lint_clean():
 
 
 @pytest.mark.parametrize("options,kernels", [
-    ({}, 1),                                     # one launch: the last share merges
-    ({"FUSED_MERGE": False}, 2),                 # the split-KV pass and the merge pass
+    ({"FUSED_MERGE": True}, 1),                  # one launch: the last share merges
+    ({}, 2),                                     # default: the split-KV pass and the merge pass
     ({"SPLIT_KV": 1}, 1),                        # one share: the output written directly
 ], ids=["fused_merge", "merge_pass", "split_kv_1"])
 def test_decode_kernels_lint_clean(options, kernels):
