@@ -51,7 +51,8 @@ from ..templates import kernel_source
 from . import backward_configs as bcfgs
 from .configs import shared_memory_limit
 from .dense import _example, _lower_graph, _static, broadcastable_mod, dense_attention
-from .forward import as_tensor_boxes, broadcast_to, captured_for_kernel, realize_fixed, use_triton_template
+from .forward import (as_tensor_boxes, broadcast_to, captured_for_kernel, realize_fixed, template_choices,
+                      use_triton_template)
 from .subgraph import (MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, depends_on, gathered_tile_bytes,
                        is_identity_score_mod, use_fast_tanh)
 
@@ -540,30 +541,16 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
                    grad_plan.workspace]
     scatter_grads = grad_plan.scatter_grads
     mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.reduced else [])
-    choices: list[Any] = []
-    config_of_choice: dict[int, bcfgs.BackwardConfig] = {}
-    errors: list[str] = []
-    for cfg in usable:
-        constexprs = {**spec, "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1,
-                      "BLOCK_M2": cfg.block_m2, "BLOCK_N2": cfg.block_n2}
-        error = backward_template.maybe_append_choice(
-            choices,
-            input_nodes=input_nodes,
-            layout=dk_layout,
-            subgraphs=subgraphs,
-            mutated_inputs=mutated,
-            call_sizes=[B, Hkv, L, S],
-            num_stages=cfg.num_stages,
-            num_warps=cfg.num_warps,
-            **constexprs,
-        )
-        if error is not None:
-            errors.append(f"{cfg.describe()}: {error}")
-        else:
-            config_of_choice[id(choices[-1].make_kernel_render)] = cfg
-    if not choices:
-        raise RuntimeError("flexattn: the backward template could not be generated for any "
-                           "configuration:\n" + "\n".join(errors))
+    choices, config_of_choice = template_choices(
+        backward_template, usable, "backward",
+        lambda cfg: {**spec, "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1,
+                     "BLOCK_M2": cfg.block_m2, "BLOCK_N2": cfg.block_n2},
+        input_nodes=input_nodes,
+        layout=dk_layout,
+        subgraphs=subgraphs,
+        mutated_inputs=mutated,
+        call_sizes=[B, Hkv, L, S],
+    )
 
     extra = [b for b in (*score_mod_buffers, *mask_mod_buffers) if isinstance(b, ir.IRNode)]
     input_gen_fns = _benchmark_inputs(has_full_blocks, kv_indices, q_indices, full_kv_indices, full_q_indices)

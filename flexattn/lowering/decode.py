@@ -70,14 +70,12 @@ from .forward import (
     _benchmark_block_indices,
     _benchmark_full_block_indices,
     _debug_requested,
-    as_tensor_boxes,
-    broadcast_to,
-    captured_for_kernel,
     forward_specialisations,
     output_layout,
+    prepare_call,
     realize_fixed,
+    template_choices,
 )
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod, use_fast_tanh
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -367,59 +365,24 @@ def lower_to_decode_template(
 ):
     kernel_options = dict(kernel_options or {})
     sizevars = V.graph.sizevars
-    (_, _, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-     _, _, _, _, sparse_q, sparse_kv, mask_graph) = block_mask
-    sparse_q = sizevars.guard_int(sparse_q)
-    sparse_kv = sizevars.guard_int(sparse_kv)
     device = query.get_device()
     dtype = query.get_dtype()
-
     B, Hq, L, _ = query.get_size()
-    _, Hkv, S, _ = key.get_size()
-    for name, length in (("query", L), ("key", S)):
-        if sizevars.statically_known_true(sympy.Eq(length, 0)):
-            raise ValueError(f"flexattn: the {name} length must be positive")
+    S = key.get_size()[2]
     q_heads = sizevars.guard_int(Hq)
-
-    # Does the BlockMask differ between the heads of a tile? Only a head dimension of 1
-    # proves it does not.
-    mask_varies_over_heads = not sizevars.statically_known_true(sympy.Eq(kv_num_blocks.get_size()[1], 1))
-
-    query = realize_fixed(query)
-    key = broadcast_to(key, [B, Hkv, S, key.get_size()[3]])
-    value = broadcast_to(value, [B, Hkv, S, value.get_size()[3]])
-    n_q_blocks = kv_num_blocks.get_size()[-1]
-    kv_num_blocks = broadcast_to(kv_num_blocks, [B, Hq, n_q_blocks])
-    kv_indices = broadcast_to(kv_indices, [B, Hq, n_q_blocks, kv_indices.get_size()[-1]])
-    has_full_blocks = full_kv_num_blocks is not None
-    if has_full_blocks:
-        full_kv_num_blocks = broadcast_to(full_kv_num_blocks, [B, Hq, full_kv_num_blocks.get_size()[-1]])
-        full_kv_indices = broadcast_to(
-            full_kv_indices, [B, Hq, full_kv_indices.get_size()[-2], full_kv_indices.get_size()[-1]])
-    else:
-        # Never read (HAS_FULL_BLOCKS=False); they fill the signature.
-        full_kv_num_blocks = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
-        full_kv_indices = realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
-
-    score_mod_buffers = [captured_for_kernel(b, query) for b in score_mod_buffers]
-    mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
-    has_score_mod = not is_identity_score_mod(score_mod.graph_module)
-    fast_tanh = use_fast_tanh(kernel_options, dtype, device)
-    score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
-                                    as_tensor_boxes(score_mod_buffers), "score_mod", fast_tanh=fast_tanh)
-    mask_buffer = build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
-                                   as_tensor_boxes(mask_mod_buffers), "mask_mod", fast_tanh=fast_tanh)
+    call = prepare_call(query, key, value, score_mod, block_mask, kernel_options, score_mod_buffers, mask_mod_buffers)
+    query, key, value = call.query, call.key, call.value
 
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
-        sparse_q=sparse_q, sparse_kv=sparse_kv, has_full_blocks=has_full_blocks,
-        has_score_mod=has_score_mod,
+        sparse_q=call.sparse_q, sparse_kv=call.sparse_kv, has_full_blocks=call.has_full_blocks,
+        has_score_mod=call.has_score_mod,
     )
     group = spec["GQA_GROUP_SIZE"]
-    pack = packing(group, _hint(L), sparse_q, mask_varies_over_heads)
+    pack = packing(group, _hint(L), call.sparse_q, call.mask_varies_over_heads)
     head_tiles = q_heads // pack.heads_per_tile
 
-    usable = decode_configs(device, spec["QK_HEAD_DIM_PAD"], dtype, sparse_kv, kernel_options)
+    usable = decode_configs(device, spec["QK_HEAD_DIM_PAD"], dtype, call.sparse_kv, kernel_options)
     # One SPLIT_KV for all configs (it shapes the partial buffers); sized for the
     # smallest KV step among them.
     smallest_step = min(cfg.block_n for cfg in usable)
@@ -427,7 +390,7 @@ def lower_to_decode_template(
     sms = multiprocessor_count(device)
     split_kv = split_count(sms=sms, programs=programs,
                            max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options)
-    usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, sparse_kv,
+    usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, call.sparse_kv,
                                kernel_options)
 
     # One launch unless FUSED_MERGE=False asks for the merge pass (one share needs none).
@@ -456,7 +419,8 @@ def lower_to_decode_template(
                 tiles, device, f"{COUNTERS_WORKSPACE}_{device.type}_{device.index or 0}", COUNTERS_ARG, torch.int32)
 
     # The order of decode.py.jinja's def_kernel.
-    input_nodes = [query, key, value, *buffers, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices]
+    input_nodes = [query, key, value, *buffers, call.kv_num_blocks, call.kv_indices,
+                   call.full_kv_num_blocks, call.full_kv_indices]
     known = sizevars.statically_known_true
     shared = {
         **spec,
@@ -467,42 +431,26 @@ def lower_to_decode_template(
         "SPLIT_KV": split_kv,
         "SPLIT_KV_PAD": _next_power_of_two(split_kv),
         "FUSED_MERGE": fused,
-        "IS_DIVISIBLE_N": known(sympy.Eq(sympy.Mod(S, sparse_kv), 0)),
+        "IS_DIVISIBLE_N": known(sympy.Eq(sympy.Mod(S, call.sparse_kv), 0)),
     }
-    choices: list[Any] = []
-    config_of_choice: dict[int, DecodeConfig] = {}
-    errors: list[str] = []
-    for cfg in usable:
-        error = decode_template.maybe_append_choice(
-            choices,
-            input_nodes=input_nodes,
-            layout=layout,
-            subgraphs=[score_buffer, mask_buffer],
-            mutated_inputs=buffers,
-            call_sizes=[B, sympy.Integer(head_tiles), L],
-            num_stages=cfg.num_stages,
-            num_warps=cfg.num_warps,
-            workspace_arg=workspace,
-            **shared,
-            BLOCK_N=cfg.block_n,
-        )
-        if error is not None:
-            errors.append(f"{cfg.describe()}: {error}")
-            continue
-        if workspace is not None:
-            _compat.share_template_workspace(choices[-1], workspace)
-        config_of_choice[id(choices[-1].make_kernel_render)] = cfg
-    if not choices:
-        raise RuntimeError("flexattn: the decode template could not be generated for any "
-                           "configuration:\n" + "\n".join(errors))
+    choices, config_of_choice = template_choices(
+        decode_template, usable, "decode", lambda cfg: {**shared, "BLOCK_N": cfg.block_n},
+        on_choice=None if workspace is None else (lambda choice: _compat.share_template_workspace(choice, workspace)),
+        input_nodes=input_nodes,
+        layout=layout,
+        subgraphs=[call.score_buffer, call.mask_buffer],
+        mutated_inputs=buffers,
+        call_sizes=[B, sympy.Integer(head_tiles), L],
+        workspace_arg=workspace,
+    )
 
-    captured = [b for b in (*score_mod_buffers, *mask_mod_buffers) if isinstance(b, ir.IRNode)]
+    captured = [b for b in (*call.score_mod_buffers, *call.mask_mod_buffers) if isinstance(b, ir.IRNode)]
     n = 3 + len(buffers)   # the index of KV_NUM_BLKS
-    if has_full_blocks:
-        input_gen_fns = {n: _benchmark_block_counts(kv_indices, 0.5), n + 1: _benchmark_block_indices,
-                         n + 2: _benchmark_block_counts(full_kv_indices, 0.5), n + 3: _benchmark_full_block_indices}
+    if call.has_full_blocks:
+        input_gen_fns = {n: _benchmark_block_counts(call.kv_indices, 0.5), n + 1: _benchmark_block_indices,
+                         n + 2: _benchmark_block_counts(call.full_kv_indices, 0.5), n + 3: _benchmark_full_block_indices}
     else:
-        input_gen_fns = {n: _benchmark_block_counts(kv_indices, 1.0), n + 1: _benchmark_block_indices}
+        input_gen_fns = {n: _benchmark_block_counts(call.kv_indices, 1.0), n + 1: _benchmark_block_indices}
     result = _compat.autotune_select_node(
         DECODE_TEMPLATE_NAME, choices, input_nodes + captured, layout, input_gen_fns=input_gen_fns)
 

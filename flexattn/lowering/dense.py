@@ -27,7 +27,7 @@ from torch._inductor.lowering import fallback_handler, lowerings
 from torch._inductor.virtualized import V
 
 from .. import _compat
-from .._hop import BM_MASK_MOD, dense_math, output_strides
+from .._hop import BM_MASK_MOD, dense_math
 
 #: Ops besides pointwise-tagged ones that act elementwise under broadcasting.
 _BROADCAST_SAFE = {

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import sympy
@@ -297,16 +298,66 @@ def _benchmark_block_counts(index_node, share: float):
 # --------------------------------------------------------------------------------------
 # The lowering proper
 # --------------------------------------------------------------------------------------
-def lower_to_template(
-    query, key, value, score_mod, block_mask, scale, kernel_options,
-    score_mod_buffers, mask_mod_buffers,
-):
-    kernel_options = dict(kernel_options or {})
+def template_choices(template, usable, what: str, constexprs_of, *, on_choice=None,
+                     **generate_kwargs) -> tuple[list, dict]:
+    """One Inductor choice of ``template`` per configuration in ``usable``.
+
+    ``constexprs_of(cfg)`` gives a configuration's own constexprs; ``generate_kwargs``
+    are shared by all (inputs, layout, subgraphs, ...); ``on_choice(choice)`` may adjust
+    each new choice. Returns the choices and a map from each choice's renderer to its
+    configuration (for logging what Inductor picks); raises, listing every
+    configuration's error, when none could be generated.
+    """
+    choices: list[Any] = []
+    config_of_choice: dict[int, Any] = {}
+    errors: list[str] = []
+    for cfg in usable:
+        error = template.maybe_append_choice(
+            choices, num_stages=cfg.num_stages, num_warps=cfg.num_warps, **generate_kwargs, **constexprs_of(cfg))
+        if error is not None:
+            errors.append(f"{cfg.describe()}: {error}")
+            continue
+        if on_choice is not None:
+            on_choice(choices[-1])
+        config_of_choice[id(choices[-1].make_kernel_render)] = cfg
+    if not choices:
+        raise RuntimeError(f"flexattn: the {what} template could not be generated for any "
+                           "configuration:\n" + "\n".join(errors))
+    return choices, config_of_choice
+
+
+@dataclass
+class PreparedCall:
+    """The inputs of one forward or decode call made ready for a template: q/k/v and the
+    block tables realized and broadcast to (B, Hq, ...), captured tensors made kernel
+    arguments, and the mods lowered to the template's subgraphs."""
+
+    query: Any
+    key: Any
+    value: Any
+    kv_num_blocks: Any
+    kv_indices: Any
+    full_kv_num_blocks: Any
+    full_kv_indices: Any
+    has_full_blocks: bool
+    sparse_q: int
+    sparse_kv: int
+    mask_graph: Any
+    #: A BlockMask head dimension of 1 proves the mask is the same for every head.
+    mask_varies_over_heads: bool
+    score_mod_buffers: list
+    mask_mod_buffers: list
+    has_score_mod: bool
+    score_buffer: Any
+    mask_buffer: Any
+
+
+def prepare_call(query, key, value, score_mod, block_mask, kernel_options,
+                 score_mod_buffers, mask_mod_buffers) -> PreparedCall:
+    """Shared input preparation of the forward and decode lowerings."""
     sizevars = V.graph.sizevars
     (_, _, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
      _, _, _, _, sparse_q, sparse_kv, mask_graph) = block_mask
-    sparse_q = sizevars.guard_int(sparse_q)
-    sparse_kv = sizevars.guard_int(sparse_kv)
     device = query.get_device()
     dtype = query.get_dtype()
 
@@ -315,6 +366,7 @@ def lower_to_template(
     for name, length in (("query", L), ("key", S)):
         if sizevars.statically_known_true(sympy.Eq(length, 0)):
             raise ValueError(f"flexattn: the {name} length must be positive")
+    mask_varies_over_heads = not sizevars.statically_known_true(sympy.Eq(kv_num_blocks.get_size()[1], 1))
 
     query = realize_fixed(query)
     key = broadcast_to(key, [B, Hkv, S, key.get_size()[3]])
@@ -335,17 +387,38 @@ def lower_to_template(
 
     score_mod_buffers = [captured_for_kernel(b, query) for b in score_mod_buffers]
     mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
-    has_score_mod = not is_identity_score_mod(score_mod.graph_module)
     fast_tanh = use_fast_tanh(kernel_options, dtype, device)
-    score_buffer = build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
-                                    as_tensor_boxes(score_mod_buffers), "score_mod", fast_tanh=fast_tanh)
-    mask_buffer = build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
-                                   as_tensor_boxes(mask_mod_buffers), "mask_mod", fast_tanh=fast_tanh)
+    return PreparedCall(
+        query=query, key=key, value=value,
+        kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+        has_full_blocks=has_full_blocks,
+        sparse_q=sizevars.guard_int(sparse_q), sparse_kv=sizevars.guard_int(sparse_kv),
+        mask_graph=mask_graph, mask_varies_over_heads=mask_varies_over_heads,
+        score_mod_buffers=score_mod_buffers, mask_mod_buffers=mask_mod_buffers,
+        has_score_mod=not is_identity_score_mod(score_mod.graph_module),
+        score_buffer=build_mod_buffer(score_mod.graph_module, SCORE_MOD_ARGS, dtype, device,
+                                      as_tensor_boxes(score_mod_buffers), "score_mod", fast_tanh=fast_tanh),
+        mask_buffer=build_mod_buffer(mask_graph.graph_module, MASK_MOD_ARGS, dtype, device,
+                                     as_tensor_boxes(mask_mod_buffers), "mask_mod", fast_tanh=fast_tanh),
+    )
+
+
+def lower_to_template(
+    query, key, value, score_mod, block_mask, scale, kernel_options,
+    score_mod_buffers, mask_mod_buffers,
+):
+    kernel_options = dict(kernel_options or {})
+    device = query.get_device()
+    dtype = query.get_dtype()
+    B, Hq, L, _ = query.get_size()
+    call = prepare_call(query, key, value, score_mod, block_mask, kernel_options, score_mod_buffers, mask_mod_buffers)
+    query, key, value = call.query, call.key, call.value
 
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
-        sparse_q=sparse_q, sparse_kv=sparse_kv, has_full_blocks=has_full_blocks,
-        has_score_mod=has_score_mod,
+        sparse_q=call.sparse_q, sparse_kv=call.sparse_kv, has_full_blocks=call.has_full_blocks,
+        has_score_mod=call.has_score_mod,
     )
 
     layout = output_layout(query, spec["V_HEAD_DIM"])
@@ -356,49 +429,35 @@ def lower_to_template(
     candidates = cfgs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
                                         bool(inductor_config.max_autotune), kernel_options)
     usable = cfgs.usable_configs(
-        candidates, kernel_options, sparse_q=sparse_q, sparse_kv=sparse_kv,
+        candidates, kernel_options, sparse_q=call.sparse_q, sparse_kv=call.sparse_kv,
         qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"],
         elem_bytes=torch.empty((), dtype=dtype).element_size(),
         smem_limit=cfgs.shared_memory_limit(device),
         gathered_bytes=(gathered_tile_bytes(score_mod.graph_module, len(SCORE_MOD_ARGS))
-                        + gathered_tile_bytes(mask_graph.graph_module, len(MASK_MOD_ARGS))),
+                        + gathered_tile_bytes(call.mask_graph.graph_module, len(MASK_MOD_ARGS))),
     )
 
-    input_nodes = [query, key, value, lse, row_max, kv_num_blocks, kv_indices,
-                   full_kv_num_blocks, full_kv_indices]
-    choices: list[Any] = []
-    config_of_choice: dict[int, cfgs.ForwardConfig] = {}
-    errors: list[str] = []
-    for cfg in usable:
-        constexprs = {**spec, **divisibility(query, key, cfg, sparse_kv),
-                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
-        error = forward_template.maybe_append_choice(
-            choices,
-            input_nodes=input_nodes,
-            layout=layout,
-            subgraphs=[score_buffer, mask_buffer],
-            mutated_inputs=[lse, row_max],
-            call_sizes=query.get_size(),
-            num_stages=cfg.num_stages,
-            num_warps=cfg.num_warps,
-            **constexprs,
-        )
-        if error is not None:
-            errors.append(f"{cfg.describe()}: {error}")
-        else:
-            config_of_choice[id(choices[-1].make_kernel_render)] = cfg
-    if not choices:
-        raise RuntimeError("flexattn: the forward template could not be generated for any "
-                           "configuration:\n" + "\n".join(errors))
+    input_nodes = [query, key, value, lse, row_max, call.kv_num_blocks, call.kv_indices,
+                   call.full_kv_num_blocks, call.full_kv_indices]
+    choices, config_of_choice = template_choices(
+        forward_template, usable, "forward",
+        lambda cfg: {**spec, **divisibility(query, key, cfg, call.sparse_kv),
+                     "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n},
+        input_nodes=input_nodes,
+        layout=layout,
+        subgraphs=[call.score_buffer, call.mask_buffer],
+        mutated_inputs=[lse, row_max],
+        call_sizes=query.get_size(),
+    )
 
-    captured = [b for b in (*score_mod_buffers, *mask_mod_buffers) if isinstance(b, ir.IRNode)]
-    if has_full_blocks:
+    captured = [b for b in (*call.score_mod_buffers, *call.mask_mod_buffers) if isinstance(b, ir.IRNode)]
+    if call.has_full_blocks:
         # Benchmark rows visit half of the KV blocks as partial and the other half as
         # full, so that both loops are timed.
-        input_gen_fns = {5: _benchmark_block_counts(kv_indices, 0.5), 6: _benchmark_block_indices,
-                         7: _benchmark_block_counts(full_kv_indices, 0.5), 8: _benchmark_full_block_indices}
+        input_gen_fns = {5: _benchmark_block_counts(call.kv_indices, 0.5), 6: _benchmark_block_indices,
+                         7: _benchmark_block_counts(call.full_kv_indices, 0.5), 8: _benchmark_full_block_indices}
     else:
-        input_gen_fns = {5: _benchmark_block_counts(kv_indices, 1.0), 6: _benchmark_block_indices}
+        input_gen_fns = {5: _benchmark_block_counts(call.kv_indices, 1.0), 6: _benchmark_block_indices}
     out = _compat.autotune_select_node(
         "flexattn_forward", choices, input_nodes + captured, layout, input_gen_fns=input_gen_fns)
 
