@@ -1,10 +1,12 @@
 """Sweep forward tile configurations on the GPU, beside torch's flex_attention.
 
     python bench/tune_forward.py [--cases no_mask,causal,softcap] [--dims 64,128,256] [--seq 8192]
-                                 [--budget SECONDS]
+                                 [--budget SECONDS] [--configs 128x64w4s2,...]
+                                 [--grid '{"USE_TMA": [true, false], "ONE_KV_LOOP": [true, false]}']
 
 For each (case, head dim) it times the bf16 forward of flexattn with each candidate
-configuration pinned through kernel_options, and torch's compiled flex_attention with
+configuration pinned through kernel_options (each one under every combination of the
+``--grid`` kernel_options), and torch's compiled flex_attention with
 its defaults, and prints the TFLOP/s of each and the best configurations. The tables in
 flexattn/lowering/configs.py are chosen from these readings.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import time
 
 import torch
@@ -55,7 +58,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
+    parser.add_argument("--grid", default="{}", help="JSON: kernel_options key -> list of values, each config "
+                        "is timed under every combination")
+    parser.add_argument("--configs", default="", help="only these configs, e.g. 128x64w4s2,128x128w8s3")
     args = parser.parse_args()
+    grid = json.loads(args.grid)
+    settings = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     S, H = args.seq, args.heads
     allow_recompiles()
     ours = torch.compile(flexattn.flex_attention, fullgraph=True)
@@ -75,11 +83,15 @@ def main() -> None:
             torch_tflops = flops / ms / 1e9
             print(f"{case} D={dim}: torch flex {torch_tflops:.0f} TFLOP/s", flush=True)
             results = []
-            for cfg in candidates(dim):
+            for cfg, extra in itertools.product(candidates(dim), settings):
                 if time.time() - start > args.budget:
                     print("  budget spent; stopping", flush=True)
                     break
                 name = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+                if args.configs and name.replace(" ", "") not in args.configs.split(","):
+                    continue
+                cfg = dict(cfg, **extra)
+                name += "".join(f" {key}={value}" for key, value in extra.items())
                 try:
                     ms = triton.testing.do_bench(lambda: ours(q, k, v, score_mod, block_mask=bm, kernel_options=cfg),
                                                  warmup=25, rep=100, return_mode="median")

@@ -104,7 +104,7 @@ def main(argv=None) -> None:
         rows.append((name, err, t_ours, t_theirs, flops / t_ours / 1e9))
 
     print()
-    print(f"| variant | max abs err vs float64 | flexattn ms | torch flex ms | flexattn/torch speed | flexattn TFLOP/s |")
+    print("| variant | max abs err vs float64 | flexattn ms | torch flex ms | flexattn/torch speed | flexattn TFLOP/s |")
     print("|---|---|---|---|---|---|")
     for name, err, t_ours, t_theirs, tflops in rows:
         print(f"| {name} | {err:.2e} | {t_ours:.3f} | {t_theirs:.3f} | {t_theirs / t_ours:.2f}x | {tflops:.3g} |")

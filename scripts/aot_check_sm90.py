@@ -27,6 +27,7 @@ for path in sys.argv[1:]:
         body = re.sub(r"@triton_heuristics\.template\((.|\n)*?\)\n@triton\.jit", "@triton.jit", ksrc, count=1)
         body = body.replace("from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math", "from triton.language.extra import libdevice\nfrom triton.language import math as tl_math")
         body = re.sub(r"from torch\._inductor.*\n", "", body)
+        body = body.replace("import triton.language as tl\n", "import triton.language as tl\nfrom torch._inductor.runtime import triton_helpers\n", 1)
         mp = f"/tmp/kmod_{name}.py"; open(mp, "w").write(body)
         spec = importlib.util.spec_from_file_location(f"kmod_{name}", mp); mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
         fn = getattr(mod, name)
@@ -36,4 +37,4 @@ for path in sys.argv[1:]:
             k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
             print("OK  ", path, name, warps, stages, "shared", k.metadata.shared)
         except Exception as e:
-            print("FAIL", path, name, warps, stages, str(e).splitlines()[-1][:200])
+            print("FAIL", path, name, warps, stages, " | ".join(l for l in str(e).splitlines() if l.strip())[-600:])

@@ -29,7 +29,6 @@ from flexattn import _compat, mods
 from flexattn._hop import dense_math
 from flexattn.api import AuxRequest
 from flexattn.block_mask import BlockMask, and_masks, create_block_mask, noop_mask
-from flexattn.lowering.backward import DeterministicBufferGradError
 
 from _numerics import assert_close_3way
 from conftest import DEVICE

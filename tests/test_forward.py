@@ -252,11 +252,27 @@ def test_data_dependent_captures():
     {"BLOCK_M": 32, "BLOCK_N": 32},
     {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1},
     {"OUTPUT_MAX": False, "OUTPUT_LOGSUMEXP": False},
+    {"USE_TMA": True},
+    {"USE_TMA": False},
+    {"ONE_KV_LOOP": True},
+    {"ONE_KV_LOOP": False},
+    {"ONE_KV_LOOP": True, "USE_TMA": True, "BLOCK_N": 32},
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_kernel_options(options):
     n = scaled(100, 1000)
     run_case(dtype=torch.float16, L=n, S=n, score_mod=mods.tanh_softcap(5.0),
              mask_mod=mods.causal_mask, options=options)
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=lambda t: f"USE_TMA={t}")
+@pytest.mark.parametrize("L,S,E,Ev,Hq,Hkv", [(100, 77, 40, 24, 4, 2), (33, 130, 64, 64, 2, 1)], ids=str)
+def test_tma_loads_at_the_edges(use_tma, L, S, E, Ev, Hq, Hkv):
+    """Tensor-descriptor loads past Q_LEN / KV_LEN and into the head-dim padding read 0
+    (the copy engine's zero fill), as the masked pointer loads do."""
+    n = scaled(1, 10)
+    run_case(dtype=torch.float16, L=L * n, S=S * n, E=E, Ev=Ev, Hq=Hq, Hkv=Hkv, block_size=64,
+             score_mod=mods.alibi(Hq, device=DEVICE), mask_mod=mods.causal_mask,
+             options={"USE_TMA": use_tma})
 
 
 def test_prescale_without_score_mod():
@@ -265,13 +281,15 @@ def test_prescale_without_score_mod():
              options={"PRESCALE_QK": True})
 
 
-def test_blocks_are_contiguous():
+@pytest.mark.parametrize("one_kv_loop", [False, True], ids=lambda b: f"ONE_KV_LOOP={b}")
+def test_blocks_are_contiguous(one_kv_loop):
     """A causal mask keeps the promise: per query block, the partial list is the diagonal
     block and the full list the blocks before it, each a run of consecutive blocks (a
-    non-causal sliding window would not: its two edges are partial)."""
+    non-causal sliding window would not: its two edges are partial). In one loop the
+    walk jumps from the diagonal back to the first full block."""
     n = scaled(200, 2000)
     run_case(dtype=torch.float16, L=n, S=n, mask_mod=mods.causal_mask,
-             options={"BLOCKS_ARE_CONTIGUOUS": True}, block_size=64)
+             options={"BLOCKS_ARE_CONTIGUOUS": True, "ONE_KV_LOOP": one_kv_loop}, block_size=64)
 
 
 @pytest.mark.parametrize("block_size", [64, (32, 64), (128, 64)], ids=str)
@@ -281,13 +299,14 @@ def test_block_sizes(block_size):
              block_size=block_size)
 
 
-def test_no_full_blocks():
+@pytest.mark.parametrize("one_kv_loop", [False, True], ids=lambda b: f"ONE_KV_LOOP={b}")
+def test_no_full_blocks(one_kv_loop):
     """A BlockMask tuple without full blocks (HAS_FULL_BLOCKS=False): only the partial
     blocks are visited, by the kernel and by the reference alike."""
     n = scaled(100, 1000)
     t = list(create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE).as_tuple())
     t[4], t[5] = None, None
-    run_case(dtype=torch.float16, L=n, S=n, block_mask_tuple=tuple(t))
+    run_case(dtype=torch.float16, L=n, S=n, block_mask_tuple=tuple(t), options={"ONE_KV_LOOP": one_kv_loop})
 
 
 # --------------------------------------------------------------------------------------

@@ -505,7 +505,7 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
         sparse_q=sparse_q, sparse_kv=sparse_kv, has_full_blocks=has_full_blocks,
-        has_score_mod=has_score_mod)
+        has_score_mod=has_score_mod, kernel="backward")
     known = sizevars.statically_known_true
     spec.update(
         HAS_BUFFER_GRADS=bool(grad_plan.scatters),

@@ -9,7 +9,7 @@ tried for a call:
 * with it: that default plus ``AUTOTUNE_CANDIDATES``, benchmarked by Inductor.
 
 ``kernel_options`` may pin any field (``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
-``num_stages``, or their ``fwd_``-prefixed forms); a pinned field replaces that field in
+``num_stages``, ``ONE_KV_LOOP``, or their ``fwd_``-prefixed forms); a pinned field replaces that field in
 every candidate. ``usable_configs`` then drops candidates that break a constraint (the
 BlockMask's block sizes must be multiples of the tiles; the pipelined K/V tiles must fit
 in shared memory) and raises when a pinned choice itself breaks one.
@@ -32,10 +32,16 @@ class ForwardConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    #: Walk the partial and the full KV blocks in one loop (ONE_KV_LOOP in the template)
+    #: instead of one loop per list: fewer registers (the loop body is allocated once),
+    #: for a branch per tile. Pays where the two-loop kernel spills (D=128 with four
+    #: warps on 128-row tiles); elsewhere the two loops measured faster.
+    one_kv_loop: bool = False
 
     def describe(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} "
-                f"num_warps={self.num_warps} num_stages={self.num_stages}")
+                f"num_warps={self.num_warps} num_stages={self.num_stages}"
+                + (" ONE_KV_LOOP" if self.one_kv_loop else ""))
 
 
 # Default per (GPU generation, padded QK head dim, dtype width). "sm90" is Hopper and
@@ -46,14 +52,21 @@ class ForwardConfig:
 #   D=64:  128x128 w4 s3: 410 no mask [406], 389 causal [367]
 #   D=128: 128x64  w4 s2: 488 no mask [470], 459 causal [411]; w8 s3 gave 447 / 432
 #   D=256: 128x64  w8 s2: 456 no mask [377], 454 causal [305]; 64x32 w4 s3 far behind
+# With tensor-descriptor loads (USE_TMA) and, at D=128, one loop over both block lists
+# (ONE_KV_LOOP; two loops spilled there), same GPU and sweep:
+#   D=64:  128x128 w4 s3: 418 no mask [402], 383 causal [372]
+#   D=128: 128x64  w4 s2, one loop: 515 no mask [474], 464 causal [408], 400 soft-cap
+#          [194]; two loops: 470, 456, 413
+#   D=256: 128x64  w8 s2: 528 no mask [374], 532 causal [306]
 # Two stages with four warps at D=128 leave each warp 32 query rows and more registers
 # for the score tile; at D=256 the 128-row tile needs eight warps to hold its
 # accumulator. The sm80 entries are the FlashAttention-2 style tiles (128-row query
 # tiles, a 3-stage K/V pipeline, a narrow KV step at D=256), not measured here.
-# float32 doubles the bytes per tile, so its tiles are smaller.
+# float32 doubles the bytes per tile, so its tiles are smaller; float64 (a correctness
+# mode, no tensor cores) takes the float32 tiles.
 DEFAULTS: dict[tuple[str, int, str], ForwardConfig] = {
     ("sm90", 64, "16bit"): ForwardConfig(128, 128, 4, 3),
-    ("sm90", 128, "16bit"): ForwardConfig(128, 64, 4, 2),
+    ("sm90", 128, "16bit"): ForwardConfig(128, 64, 4, 2, one_kv_loop=True),
     ("sm90", 256, "16bit"): ForwardConfig(128, 64, 8, 2),
     ("sm90", 64, "fp32"): ForwardConfig(128, 32, 4, 3),
     ("sm90", 128, "fp32"): ForwardConfig(32, 64, 4, 3),
@@ -89,7 +102,7 @@ AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
 MIN_TILE = 16  # tl.dot needs every dimension >= 16
 
 _OVERRIDE_KEYS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n",
-                  "num_warps": "num_warps", "num_stages": "num_stages"}
+                  "num_warps": "num_warps", "num_stages": "num_stages", "ONE_KV_LOOP": "one_kv_loop"}
 
 
 class ConfigError(ValueError):
@@ -113,7 +126,7 @@ def head_dim_bucket(padded_head_dim: int) -> int:
 
 
 def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> ForwardConfig:
-    width = "fp32" if dtype == torch.float32 else "16bit"
+    width = "fp32" if dtype in (torch.float32, torch.float64) else "16bit"
     return DEFAULTS[(gpu_generation(device), head_dim_bucket(padded_head_dim), width)]
 
 
@@ -129,11 +142,15 @@ def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, 
                            gathered_bytes: int = 0) -> int:
     """The Q tile plus num_stages buffered K and V tiles, plus the score-shaped gathers
     of the mods (``gathered_bytes`` per element, see ``subgraph.gathered_tile_bytes``)
-    buffered for each extra stage, in bytes."""
+    buffered for each extra stage (each stage with ONE_KV_LOOP, as Triton 3.6 pipelines
+    the branch), plus for float64 the probability tile, which its FMA dot reads from
+    shared memory; in bytes."""
     q_tile = cfg.block_m * qk_dim_pad
     kv_stage = cfg.block_n * (qk_dim_pad + v_dim_pad)
-    gathers = (cfg.num_stages - 1) * cfg.block_m * cfg.block_n * gathered_bytes
-    return elem_bytes * (q_tile + cfg.num_stages * kv_stage) + gathers
+    gather_stages = cfg.num_stages if cfg.one_kv_loop else cfg.num_stages - 1
+    gathers = gather_stages * cfg.block_m * cfg.block_n * gathered_bytes
+    p_tile = cfg.block_m * cfg.block_n if elem_bytes == 8 else 0
+    return elem_bytes * (q_tile + cfg.num_stages * kv_stage + p_tile) + gathers
 
 
 def fit_to_shared_memory(cfg, estimate, limit: int | None, pinned: dict[str, int], steps):
@@ -155,7 +172,8 @@ def pinned_fields(kernel_options: dict[str, Any]) -> dict[str, int]:
     for key, field in _OVERRIDE_KEYS.items():
         for spelled in (key, f"fwd_{key}"):
             if kernel_options.get(spelled) is not None:
-                pinned[field] = int(kernel_options[spelled])
+                value = kernel_options[spelled]
+                pinned[field] = bool(value) if field == "one_kv_loop" else int(value)
     return pinned
 
 
@@ -165,14 +183,22 @@ def candidate_configs(
     dtype: torch.dtype,
     max_autotune: bool,
     kernel_options: dict[str, Any],
+    mask_reads_memory: bool = False,
 ) -> list[ForwardConfig]:
-    """Default (+ autotune candidates), with pinned fields applied, deduplicated."""
+    """Default (+ autotune candidates), with pinned fields applied, deduplicated.
+
+    A mask_mod that reads captured tensors (document ids, say) keeps one loop per block
+    group unless ONE_KV_LOOP is pinned: behind the one loop's branch its loads are not
+    software-pipelined (document mask, H200, D=128: 194 vs 335 TFLOP/s for torch flex).
+    """
     configs = [default_config(device, padded_head_dim, dtype)]
     if max_autotune:
         configs += list(AUTOTUNE_CANDIDATES)
     pinned = pinned_fields(kernel_options)
     out: list[ForwardConfig] = []
     for cfg in configs:
+        if mask_reads_memory:
+            cfg = dataclasses.replace(cfg, one_kv_loop=False)
         cfg = dataclasses.replace(cfg, **pinned)
         if cfg not in out:
             out.append(cfg)

@@ -376,7 +376,7 @@ def lower_to_decode_template(
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
         sparse_q=call.sparse_q, sparse_kv=call.sparse_kv, has_full_blocks=call.has_full_blocks,
-        has_score_mod=call.has_score_mod,
+        has_score_mod=call.has_score_mod, kernel="decode",
     )
     group = spec["GQA_GROUP_SIZE"]
     pack = packing(group, _hint(L), call.sparse_q, call.mask_varies_over_heads)

@@ -211,7 +211,6 @@ def float32_precision(device: torch.device, dtype: torch.dtype, force_ieee: bool
 #: torch's kernel_options that flexattn accepts (a drop-in call keeps working) but whose
 #: effect its kernels do not have; setting one to a non-default value warns at compile.
 _INERT_OPTIONS = {
-    "USE_TMA": (False, "flexattn's kernels do not use TMA descriptors; the option has no effect"),
     "WRITE_DQ": (True, "flexattn's backward always computes dQ; the option has no effect"),
 }
 
@@ -222,15 +221,76 @@ def warn_inert_options(kernel_options: dict[str, Any]) -> None:
             warnings.warn(f"flexattn: kernel_options {key}={kernel_options[key]!r}: {why}", stacklevel=2)
 
 
+#: The kernels that load Q/K/V tiles through tensor descriptors when USE_TMA is set.
+TMA_KERNELS = ("forward",)
+#: The copy engine's alignment of base addresses and row strides, in bytes.
+TMA_ALIGNMENT = 16
+
+
+def _tma_obstacle(node, name: str) -> str | None:
+    """Why ``node`` cannot be read through a tensor descriptor (None if it can)."""
+    sizevars = V.graph.sizevars
+    elem = node.get_dtype().itemsize
+    stride = node.get_stride()
+    if not sizevars.statically_known_true(sympy.Eq(stride[-1], 1)):
+        return f"the {name}'s head dimension is not contiguous (stride {stride[-1]})"
+    if not sizevars.statically_known_multiple_of(node.get_size()[-1] * elem, TMA_ALIGNMENT):
+        return f"the {name}'s head dim ({node.get_size()[-1]}) is not a multiple of {TMA_ALIGNMENT} bytes"
+    if not all(sizevars.statically_known_multiple_of(st * elem, TMA_ALIGNMENT) for st in stride[:-1]):
+        return f"the {name}'s strides {list(stride)} are not multiples of {TMA_ALIGNMENT} bytes"
+    # Inductor records GPU graph inputs whose example was misaligned (others it copies
+    # when misaligned at run time); on the CPU (the interpreter emulates descriptors)
+    # it records every input, and alignment does not matter there.
+    misaligned_input = node.get_device().type != "cpu" and node.get_name() in V.graph.unaligned_buffers
+    if misaligned_input or not sizevars.statically_known_multiple_of(node.get_layout().offset * elem, TMA_ALIGNMENT):
+        return f"the {name}'s data is not {TMA_ALIGNMENT}-byte aligned"
+    return None
+
+
+def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str) -> bool:
+    """The USE_TMA constexpr of one call.
+
+    kernel_options["USE_TMA"] (default None: automatic) True asks for tensor-descriptor
+    loads, False forbids them. Automatic means on for 16-bit inputs on a CUDA GPU with
+    the tensor memory accelerator (sm90 and later), where it measured faster. Either way
+    the layouts must suit the copy engine (unit head-dim stride, 16-byte aligned base and
+    strides); a request that cannot be honoured warns and loads through pointers.
+    """
+    requested = kernel_options.get("USE_TMA")
+    if requested is not None and not requested:
+        return False
+    if kernel not in TMA_KERNELS:
+        if requested:
+            warnings.warn(f"flexattn: kernel_options USE_TMA=True: the {kernel} kernel has no tensor-descriptor "
+                          "path; it loads through pointers", stacklevel=2)
+        return False
+    device, dtype = query.get_device(), query.get_dtype()
+    if requested is None and not (device.type == "cuda" and not torch.version.hip
+                                  and torch.cuda.get_device_capability(device) >= (9, 0)
+                                  and dtype in (torch.float16, torch.bfloat16)):
+        return False
+    for node, name in ((query, "query"), (key, "key"), (value, "value")):
+        obstacle = _tma_obstacle(node, name)
+        if obstacle is not None:
+            if requested:
+                warnings.warn(f"flexattn: kernel_options USE_TMA=True: {obstacle}; the {kernel} kernel loads "
+                              "through pointers", stacklevel=2)
+            else:
+                log.info("flexattn %s: pointer loads, no TMA: %s", kernel, obstacle)
+            return False
+    return True
+
+
 def read_bool_options(kernel_options: dict[str, Any]) -> dict[str, bool]:
     return {key: bool(kernel_options.get(key, default)) for key, default in BOOL_OPTIONS.items()}
 
 
 def forward_specialisations(
     *, query, key, value, scale, kernel_options, sparse_q: int, sparse_kv: int,
-    has_full_blocks: bool, has_score_mod: bool,
+    has_full_blocks: bool, has_score_mod: bool, kernel: str = "forward",
 ) -> dict[str, Any]:
-    """Constexprs shared by every tile configuration of one call."""
+    """Constexprs shared by every tile configuration of one call of ``kernel``
+    ("forward", "decode" or "backward")."""
     warn_inert_options(kernel_options)
     sizevars = V.graph.sizevars
     qk_dim = sizevars.guard_int(query.get_size()[-1])
@@ -259,6 +319,7 @@ def forward_specialisations(
         "FLOAT32_PRECISION": float32_precision(query.get_device(), query.get_dtype(),
                                                bool(kernel_options.get("IEEE_FP32"))),
         "FLOAT64_ACC": query.get_dtype() == torch.float64,
+        "USE_TMA": use_tma(kernel_options, query, key, value, kernel),
     }
     spec.update(read_bool_options(kernel_options))
     return spec
@@ -426,8 +487,10 @@ def lower_to_template(
     row_max = realize_fixed(empty_strided([B, Hq, L], None, dtype=torch.float32, device=device))
     # The kernel writes lse and row_max in place: the template's extra outputs.
 
+    mask_reads_memory = any(isinstance(b, ir.IRNode) for b in call.mask_mod_buffers)
     candidates = cfgs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
-                                        bool(inductor_config.max_autotune), kernel_options)
+                                        bool(inductor_config.max_autotune), kernel_options,
+                                        mask_reads_memory=mask_reads_memory)
     usable = cfgs.usable_configs(
         candidates, kernel_options, sparse_q=call.sparse_q, sparse_kv=call.sparse_kv,
         qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"],
@@ -442,7 +505,7 @@ def lower_to_template(
     choices, config_of_choice = template_choices(
         forward_template, usable, "forward",
         lambda cfg: {**spec, **divisibility(query, key, cfg, call.sparse_kv),
-                     "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n},
+                     "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "ONE_KV_LOOP": cfg.one_kv_loop},
         input_nodes=input_nodes,
         layout=layout,
         subgraphs=[call.score_buffer, call.mask_buffer],
