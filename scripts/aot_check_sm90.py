@@ -9,13 +9,31 @@ image's Triton shows (e.g. Triton 3.6's loop scheduler) can be found here:
     # to return "sm90" so the GPU's tile configs are chosen) to files, then:
     PYTHONPATH=/tmp/tr36 python scripts/aot_check_sm90.py out_code_*.py
 
-Every pointer argument gets 16-byte divisibility, as CUDA allocations do.
+Every pointer argument gets 16-byte divisibility, as CUDA allocations do. With
+--ptxas, each kernel's PTX also goes through Triton's bundled ptxas (-arch=sm_90a -v),
+which prints its registers and spill bytes per thread.
 """
-import sys, re, importlib.util
+import os, sys, re, subprocess, tempfile, importlib.util
 import triton
 from triton.backends.compiler import GPUTarget
 print("triton", triton.__version__)
-for path in sys.argv[1:]:
+PTXAS = "--ptxas" in sys.argv[1:]
+
+
+def ptxas_usage(ptx: str) -> str:
+    """'regs N spill-stores S spill-loads L' of one kernel's PTX, as ptxas reports it."""
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    out = subprocess.run([exe, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return (f"regs {regs.group(1) if regs else '?'} spill-stores {spills.group(1) if spills else '?'} "
+            f"spill-loads {spills.group(2) if spills else '?'}")
+
+
+for path in (a for a in sys.argv[1:] if a != "--ptxas"):
     src = open(path).read()
     for m in re.finditer(r"async_compile\.triton\('(\w+)', '''\n(.*?)''', device_str='\w+'\)", src, re.S):
         name, ksrc = m.group(1), m.group(2)
@@ -35,6 +53,7 @@ for path in sys.argv[1:]:
         attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_idx}
         try:
             k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-            print("OK  ", path, name, warps, stages, "shared", k.metadata.shared)
+            usage = ptxas_usage(k.asm["ptx"]) if PTXAS else ""
+            print("OK  ", path, name, warps, stages, "shared", k.metadata.shared, usage)
         except Exception as e:
             print("FAIL", path, name, warps, stages, " | ".join(l for l in str(e).splitlines() if l.strip())[-600:])

@@ -376,6 +376,43 @@ def test_backward_kernel_options(options):
              options=options, block_size=scaled(32, 128))
 
 
+# ONE_KV_LOOP (one walk over the partial then the full blocks, mask_mod behind a branch)
+# and USE_TMA (tensor-descriptor loads of Q, dO, K and V; the interpreter emulates them)
+# at the edges: odd lengths, a padded head dim, GQA, captured tensors, with and without
+# full blocks.
+LOOP_AND_TMA_OPTIONS = [{"ONE_KV_LOOP": True}, {"USE_TMA": True}, {"ONE_KV_LOOP": True, "USE_TMA": True}]
+
+
+@pytest.mark.parametrize("options", LOOP_AND_TMA_OPTIONS, ids=lambda o: ",".join(o))
+@pytest.mark.parametrize("L,S,E,Hq,Hkv", [(64, 64, 32, 2, 2), (77, 130, 40, 4, 2)], ids=str)
+def test_one_loop_and_tma(options, L, S, E, Hq, Hkv):
+    L, S = scaled(L, 9 * L + 3), scaled(S, 9 * S + 5)
+    run_case(dtype=torch.float16, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, make_mods=_alibi_learnable(Hq),
+             options=options, block_size=scaled(16, 128))
+    run_case(dtype=torch.float32, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E,
+             make_mods=_no_buffers(mods.tanh_softcap(4.0), mods.causal_mask), options=options,
+             block_size=scaled(32, 128), use_lse=True)
+
+
+@pytest.mark.parametrize("options", LOOP_AND_TMA_OPTIONS, ids=lambda o: ",".join(o))
+def test_one_loop_and_tma_without_full_blocks(options):
+    n, block = scaled(64, 1000), scaled(32, 128)
+    n_blocks = -(-n // block)
+    kv_num_blocks = torch.arange(1, n_blocks + 1, dtype=torch.int32, device=DEVICE).view(1, 1, n_blocks)
+    kv_indices = torch.arange(n_blocks, dtype=torch.int32, device=DEVICE).expand(1, 1, n_blocks, n_blocks).contiguous()
+    bm = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block, mask_mod=mods.causal_mask,
+                                  seq_lengths=(n, n))
+    run_case(dtype=torch.float16, L=n, S=n, block_mask=bm, options=options)
+
+
+def test_one_loop_with_captured_mask_tensor():
+    """A document mask reading a captured tensor under the one loop's branch."""
+    n = scaled(96, 1100)
+    doc = (torch.arange(n, device=DEVICE) * 3) // n
+    run_case(dtype=torch.float16, L=n, S=n, make_mods=_no_buffers(None, mods.document_mask(doc)),
+             options={"ONE_KV_LOOP": True}, block_size=scaled(16, 128))
+
+
 def test_compiled_backward_uses_our_template():
     n = 32
     gen = torch.Generator().manual_seed(0)
@@ -389,6 +426,37 @@ def test_compiled_backward_uses_our_template():
 
     _, code = run_and_get_code(step, q, k, v)
     assert any(BACKWARD_MARK in c for c in code), "the flexattn backward template is not in the compiled code"
+
+
+def _backward_constexprs(E: int, options: dict, names: tuple[str, ...]) -> dict[str, str]:
+    """The values the compiled backward kernel gives to the constexprs ``names``."""
+    n = 32
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_randn(gen, 1, 2, n, E, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    bm = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
+
+    def step(q, k, v):
+        out = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options=options),
+                            backend="inductor", fullgraph=True)(q, k, v)
+        return torch.autograd.grad(out.float().square().sum(), (q, k, v))
+
+    _, code = run_and_get_code(step, q, k, v)
+    (backward,) = [c for c in code if BACKWARD_MARK in c]
+    return {name: backward.split(f"{name} : tl.constexpr = ", 1)[1].split("\n", 1)[0].strip() for name in names}
+
+
+@pytest.mark.parametrize("E", [64, 128])
+def test_backward_tma_and_one_loop_choice(E):
+    """USE_TMA follows configs.TMA_DEFAULTS["backward"] unless kernel_options say
+    otherwise; bwd_ONE_KV_LOOP pins the backward's one loop (default off)."""
+    from flexattn.lowering import configs
+    auto = configs.tma_by_default("backward", torch.device(DEVICE), E, torch.float16)
+    assert _backward_constexprs(E, {}, ("USE_TMA", "ONE_KV_LOOP")) == {"USE_TMA": str(auto), "ONE_KV_LOOP": "False"}
+    torch._dynamo.reset()
+    assert _backward_constexprs(E, {"USE_TMA": True, "bwd_ONE_KV_LOOP": True}, ("USE_TMA", "ONE_KV_LOOP")) == \
+        {"USE_TMA": "True", "ONE_KV_LOOP": "True"}
+    torch._dynamo.reset()
+    assert _backward_constexprs(E, {"USE_TMA": False}, ("USE_TMA",)) == {"USE_TMA": "False"}
 
 
 # --------------------------------------------------------------------------------------

@@ -131,6 +131,21 @@ def test_tma_choice():
     assert constexpr(compile_and_code(check=False, options={"USE_TMA": False}), "USE_TMA") == "False"
 
 
+def test_tma_defaults_per_kernel_and_head_dim(monkeypatch):
+    """The automatic USE_TMA table: 16-bit inputs on sm90; the forward at every head dim,
+    the backward at D=128 only; never the decode kernel (no descriptor path)."""
+    from flexattn.lowering import configs
+    monkeypatch.setattr(configs, "gpu_generation", lambda device: "sm90")
+    dev = torch.device("cuda")
+    for dim in (32, 64, 128, 256):
+        assert configs.tma_by_default("forward", dev, dim, torch.bfloat16)
+        assert configs.tma_by_default("backward", dev, dim, torch.float16) == (64 < dim <= 128)
+        assert not configs.tma_by_default("decode", dev, dim, torch.bfloat16)
+        assert not configs.tma_by_default("forward", dev, dim, torch.float32)
+    monkeypatch.setattr(configs, "gpu_generation", lambda device: "sm80")
+    assert not configs.tma_by_default("forward", dev, 128, torch.bfloat16)
+
+
 def test_tma_request_that_cannot_be_honoured_warns():
     q = torch.randn(1, 2, 64, 32, device=DEVICE, dtype=torch.float16)
     k = torch.randn(1, 2, 64, 64, device=DEVICE, dtype=torch.float16)[..., ::2]

@@ -505,7 +505,7 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
         sparse_q=sparse_q, sparse_kv=sparse_kv, has_full_blocks=has_full_blocks,
-        has_score_mod=has_score_mod, kernel="backward")
+        has_score_mod=has_score_mod, kernel="backward", extra_tma_operands=((grad_out, "output gradient"),))
     known = sizevars.statically_known_true
     spec.update(
         HAS_BUFFER_GRADS=bool(grad_plan.scatters),
@@ -544,7 +544,7 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     choices, config_of_choice = template_choices(
         backward_template, usable, "backward",
         lambda cfg: {**spec, "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1,
-                     "BLOCK_M2": cfg.block_m2, "BLOCK_N2": cfg.block_n2},
+                     "BLOCK_M2": cfg.block_m2, "BLOCK_N2": cfg.block_n2, "ONE_KV_LOOP": cfg.one_kv_loop},
         input_nodes=input_nodes,
         layout=dk_layout,
         subgraphs=subgraphs,

@@ -125,6 +125,29 @@ def head_dim_bucket(padded_head_dim: int) -> int:
     return 64 if padded_head_dim <= 64 else 128 if padded_head_dim <= 128 else 256
 
 
+#: Where each kernel loads its Q/K/V (and dO) tiles through tensor descriptors unless
+#: kernel_options USE_TMA says otherwise: (GPU generation, QK head-dim bucket) pairs, for
+#: 16-bit inputs (descriptors need the copy engine of sm90 and later). Measured on an
+#: H200, bf16, same tiles with and without (bench/tune_forward.py, tune_backward.py):
+#:   forward D=256 528 vs 457 TFLOP/s no mask, 532 vs 464 causal; D=128 and D=64 within
+#:   3% either way, the one-loop D=128 default gaining (515 vs 470).
+#:   backward (fwd+bwd, S=8192) D=128 no mask 424 vs 399, causal 403 vs 372, causal ALiBi
+#:   372 vs 348, GQA 32/8 387 vs 377; but D=64 causal 295 vs 309 and D=256 causal 220
+#:   vs 223, so there the backward keeps pointer loads.
+TMA_DEFAULTS: dict[str, frozenset[tuple[str, int]]] = {
+    "forward": frozenset({("sm90", 64), ("sm90", 128), ("sm90", 256)}),
+    "backward": frozenset({("sm90", 128)}),
+}
+
+
+def tma_by_default(kernel: str, device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` uses tensor descriptors when USE_TMA is not given."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    key = (gpu_generation(device), head_dim_bucket(padded_head_dim))
+    return key in TMA_DEFAULTS.get(kernel, frozenset())
+
+
 def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> ForwardConfig:
     width = "fp32" if dtype in (torch.float32, torch.float64) else "16bit"
     return DEFAULTS[(gpu_generation(device), head_dim_bucket(padded_head_dim), width)]

@@ -221,8 +221,9 @@ def warn_inert_options(kernel_options: dict[str, Any]) -> None:
             warnings.warn(f"flexattn: kernel_options {key}={kernel_options[key]!r}: {why}", stacklevel=2)
 
 
-#: The kernels that load Q/K/V tiles through tensor descriptors when USE_TMA is set.
-TMA_KERNELS = ("forward",)
+#: The kernels that load Q/K/V tiles through tensor descriptors when USE_TMA is set
+#: (where it is on by default: configs.TMA_DEFAULTS).
+TMA_KERNELS = ("forward", "backward")
 #: The copy engine's alignment of base addresses and row strides, in bytes.
 TMA_ALIGNMENT = 16
 
@@ -247,14 +248,18 @@ def _tma_obstacle(node, name: str) -> str | None:
     return None
 
 
-def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str) -> bool:
+def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str,
+            extra_operands: Sequence[tuple[Any, str]] = ()) -> bool:
     """The USE_TMA constexpr of one call.
 
     kernel_options["USE_TMA"] (default None: automatic) True asks for tensor-descriptor
     loads, False forbids them. Automatic means on for 16-bit inputs on a CUDA GPU with
-    the tensor memory accelerator (sm90 and later), where it measured faster. Either way
+    the tensor memory accelerator (sm90 and later), for the kernels and head dims where
+    it measured faster (``configs.TMA_DEFAULTS``). Either way
     the layouts must suit the copy engine (unit head-dim stride, 16-byte aligned base and
     strides); a request that cannot be honoured warns and loads through pointers.
+    ``extra_operands``: further (node, name) tiles the kernel reads through descriptors
+    (the backward's output gradient).
     """
     requested = kernel_options.get("USE_TMA")
     if requested is not None and not requested:
@@ -264,12 +269,11 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str) -> b
             warnings.warn(f"flexattn: kernel_options USE_TMA=True: the {kernel} kernel has no tensor-descriptor "
                           "path; it loads through pointers", stacklevel=2)
         return False
-    device, dtype = query.get_device(), query.get_dtype()
-    if requested is None and not (device.type == "cuda" and not torch.version.hip
-                                  and torch.cuda.get_device_capability(device) >= (9, 0)
-                                  and dtype in (torch.float16, torch.bfloat16)):
-        return False
-    for node, name in ((query, "query"), (key, "key"), (value, "value")):
+    if requested is None:
+        qk_pad = next_power_of_two_at_least_16(V.graph.sizevars.guard_int(query.get_size()[-1]))
+        if not cfgs.tma_by_default(kernel, query.get_device(), qk_pad, query.get_dtype()):
+            return False
+    for node, name in ((query, "query"), (key, "key"), (value, "value"), *extra_operands):
         obstacle = _tma_obstacle(node, name)
         if obstacle is not None:
             if requested:
@@ -288,9 +292,10 @@ def read_bool_options(kernel_options: dict[str, Any]) -> dict[str, bool]:
 def forward_specialisations(
     *, query, key, value, scale, kernel_options, sparse_q: int, sparse_kv: int,
     has_full_blocks: bool, has_score_mod: bool, kernel: str = "forward",
+    extra_tma_operands: Sequence[tuple[Any, str]] = (),
 ) -> dict[str, Any]:
     """Constexprs shared by every tile configuration of one call of ``kernel``
-    ("forward", "decode" or "backward")."""
+    ("forward", "decode" or "backward"); ``extra_tma_operands`` as in ``use_tma``."""
     warn_inert_options(kernel_options)
     sizevars = V.graph.sizevars
     qk_dim = sizevars.guard_int(query.get_size()[-1])
@@ -319,7 +324,7 @@ def forward_specialisations(
         "FLOAT32_PRECISION": float32_precision(query.get_device(), query.get_dtype(),
                                                bool(kernel_options.get("IEEE_FP32"))),
         "FLOAT64_ACC": query.get_dtype() == torch.float64,
-        "USE_TMA": use_tma(kernel_options, query, key, value, kernel),
+        "USE_TMA": use_tma(kernel_options, query, key, value, kernel, extra_tma_operands),
     }
     spec.update(read_bool_options(kernel_options))
     return spec

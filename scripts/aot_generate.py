@@ -1,0 +1,75 @@
+"""Write the Inductor output code of a flexattn call as an sm90 build would choose it,
+on a machine without a GPU (input for scripts/aot_check_sm90.py).
+
+    TRITON_INTERPRET=1 python scripts/aot_generate.py --mask causal --dim 128 \
+        --options '{"USE_TMA": true}' --backward --out /tmp/aot/causal128.py
+
+The kernels are generated for the CPU device under Triton's interpreter with the GPU
+generation patched to "sm90", so the tile tables, stages and specialisations are the
+ones an H100/H200 gets (USE_TMA must be asked for explicitly: the CPU has no copy
+engine to detect).
+"""
+import argparse
+import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from torch._inductor.utils import run_and_get_code  # noqa: E402
+
+import flexattn  # noqa: E402
+from flexattn import _compat, mods  # noqa: E402
+from flexattn.lowering import backward_configs, configs  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mask", default="none", choices=["none", "causal", "document", "window"])
+    parser.add_argument("--score", default="none", choices=["none", "softcap", "alibi"])
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--options", default="{}", help="kernel_options as JSON")
+    parser.add_argument("--backward", action="store_true", help="also generate the backward")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    _compat.enable_triton_interpreter()
+    _compat.use_interpreter_libdevice()
+    configs.gpu_generation = lambda device: "sm90"
+    backward_configs.gpu_generation = configs.gpu_generation
+    torch._inductor.config.cpu_backend = "triton"
+
+    dtype = getattr(torch, args.dtype)
+    hkv = args.kv_heads or args.heads
+    q = torch.randn(1, args.heads, args.seq, args.dim, dtype=dtype, requires_grad=args.backward)
+    k = torch.randn(1, hkv, args.seq, args.dim, dtype=dtype, requires_grad=args.backward)
+    v = torch.randn(1, hkv, args.seq, args.dim, dtype=dtype, requires_grad=args.backward)
+    mask_mod = {"none": None, "causal": mods.causal_mask,
+                "window": mods.sliding_window(128),
+                "document": mods.document_mask(torch.arange(args.seq) // 200)}[args.mask]
+    score_mod = {"none": None, "softcap": mods.tanh_softcap(30.0),
+                 "alibi": mods.alibi(args.heads)}[args.score]
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = flexattn.create_block_mask(mask_mod, 1, 1, args.seq, args.seq, device="cpu")
+    options = json.loads(args.options)
+
+    def run(q, k, v):
+        out = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                      enable_gqa=hkv != args.heads, kernel_options=options)
+        if args.backward:
+            out.sum().backward()
+        return out
+
+    _, codes = run_and_get_code(torch.compile(run, fullgraph=False), q, k, v)
+    with open(args.out, "w") as f:
+        f.write("\n".join(codes))
+    print("wrote", args.out, len(codes), "code files")
+
+
+if __name__ == "__main__":
+    main()
