@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+
 import torch
 
 
@@ -12,3 +15,10 @@ def allow_recompiles() -> None:
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 10_000)
+
+
+def grid_settings(grid_json: str) -> list[dict]:
+    """Every combination of a ``--grid`` JSON object (kernel_options key -> list of
+    values) as one kernel_options dict; [{}] for an empty grid."""
+    grid = json.loads(grid_json)
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 
 import torch
@@ -24,7 +23,7 @@ import triton.testing
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexattn
-from _tuning import allow_recompiles
+from _tuning import allow_recompiles, grid_settings
 from flexattn import mods
 
 #: (score_mod, mask_mod, fraction of the scores computed) per case.
@@ -76,8 +75,7 @@ def main() -> None:
                         "is timed under every combination")
     parser.add_argument("--configs", default="", help="only these configs, e.g. 64/64/64/64w4s2,64/128/128/64w8s3")
     args = parser.parse_args()
-    grid = json.loads(args.grid)
-    settings = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    settings = grid_settings(args.grid)
     S, H = args.seq, args.heads
     Hkv = args.kv_heads or H
     allow_recompiles()

@@ -1,12 +1,14 @@
 """Sweep the decode kernel's configurations on the GPU, beside SDPA.
 
     python bench/tune_decode.py [--batches 1,8] [--kv 8192,32768] [--budget S]
+                                [--grid '{"USE_TMA": [true, false]}']
 
 One query token at position S-1 against a KV cache of S tokens, 32 query heads on 8 KV
 heads, D=128, bf16, no mask. For each case it times (CUDA-graph replay, so launch gaps
 between the split and merge kernels count but Python overhead does not) SDPA with
 enable_gqa, and flexattn with each (SPLIT_KV, BLOCK_N, num_warps, num_stages) pinned
-through kernel_options, and prints the best configurations. The decode DEFAULTS and
+through kernel_options (each one under every combination of the ``--grid``
+kernel_options), and prints the best configurations. The decode DEFAULTS and
 split heuristic of flexattn/lowering/decode.py are chosen from these readings.
 """
 
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import flexattn
-from _tuning import allow_recompiles
+from _tuning import allow_recompiles, grid_settings
 
 HQ, HKV, D = 32, 8, 128
 
@@ -32,7 +34,10 @@ def main() -> None:
     parser.add_argument("--kv", default="8192,32768")
     parser.add_argument("--splits", default="auto,16,32,64")
     parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
+    parser.add_argument("--grid", default="{}", help="JSON: kernel_options key -> list of values, each config "
+                        "is timed under every combination")
     args = parser.parse_args()
+    settings = grid_settings(args.grid)
     allow_recompiles()
     ours = torch.compile(flexattn.flex_attention, fullgraph=True)
     start = time.time()
@@ -44,22 +49,24 @@ def main() -> None:
             lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), rep=50, return_mode="median")
         print(f"B={B} S={S}: sdpa {sdpa_ms * 1e3:.1f} us", flush=True)
         rows = []
-        for fused in (True, False):
-            opts = {"FUSED_MERGE": fused}
+        for fused, extra in itertools.product((True, False), settings):
+            opts = {"FUSED_MERGE": fused, **extra}
             ours(q, k, v, kernel_options=opts, enable_gqa=True)
             ms = triton.testing.do_bench_cudagraph(lambda: ours(q, k, v, kernel_options=opts, enable_gqa=True), rep=50,
                                                    return_mode="median")
-            line = (f"| {B} | {S} | defaults, FUSED_MERGE={fused} | {ms * 1e3:.1f} | {sdpa_ms * 1e3:.1f} | "
+            described = "".join(f" {key}={value}" for key, value in opts.items())
+            line = (f"| {B} | {S} | defaults,{described} | {ms * 1e3:.1f} | {sdpa_ms * 1e3:.1f} | "
                     f"{sdpa_ms / ms:.2f} |")
             summary.append(line)
             print(line, flush=True)
-        for split, (bn, w), st in itertools.product(args.splits.split(","), ((64, 4), (128, 4), (128, 8)), (3, 4)):
+        for split, (bn, w), st, extra in itertools.product(args.splits.split(","), ((64, 4), (128, 4), (128, 8)),
+                                                           (3, 4), settings):
             if time.time() - start > args.budget:
                 break
-            opts = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+            opts = dict(BLOCK_N=bn, num_warps=w, num_stages=st, **extra)
             if split != "auto":
                 opts["SPLIT_KV"] = int(split)
-            name = f"split={split} BLOCK_N={bn} w{w} s{st}"
+            name = f"split={split} BLOCK_N={bn} w{w} s{st}" + "".join(f" {key}={value}" for key, value in extra.items())
             try:
                 ours(q, k, v, kernel_options=opts, enable_gqa=True)
                 ms = triton.testing.do_bench_cudagraph(lambda: ours(q, k, v, kernel_options=opts, enable_gqa=True), rep=50,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 
 import torch
@@ -23,7 +22,7 @@ import triton.testing
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexattn
-from _tuning import allow_recompiles
+from _tuning import allow_recompiles, grid_settings
 from flexattn import mods
 
 #: (score_mod, mask_mod, fraction of the scores computed) per case.
@@ -62,8 +61,7 @@ def main() -> None:
                         "is timed under every combination")
     parser.add_argument("--configs", default="", help="only these configs, e.g. 128x64w4s2,128x128w8s3")
     args = parser.parse_args()
-    grid = json.loads(args.grid)
-    settings = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    settings = grid_settings(args.grid)
     S, H = args.seq, args.heads
     allow_recompiles()
     ours = torch.compile(flexattn.flex_attention, fullgraph=True)

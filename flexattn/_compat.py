@@ -122,12 +122,30 @@ def enable_triton_interpreter() -> None:
     Inductor hashes generated kernels with the active Triton backend's name; without a
     GPU there is no active backend and the hash raises. Under the interpreter any fixed
     string is a correct hash input. ``TRITON_INTERPRET=1`` must be in the environment
-    before triton is imported; this function only patches the hashing.
+    before triton is imported; this function patches the hashing and gives the
+    interpreter the tensor-descriptor reduction it lacks (``_interpret_descriptor_add``).
     """
     import torch.utils._triton as triton_utils
 
     triton_utils.triton_hash_with_backend = lambda: INTERPRETER_BACKEND_TAG
     triton_utils.triton_backend = lambda: INTERPRETER_BACKEND_TAG
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    if not hasattr(InterpreterBuilder, "create_descriptor_reduce"):
+        InterpreterBuilder.create_descriptor_reduce = _interpret_descriptor_add
+
+
+def _interpret_descriptor_add(builder, kind, desc, value, indices):
+    """``tensor_descriptor.atomic_add`` under Triton's interpreter (which emulates
+    descriptor loads and stores, but not reductions): relaxed atomic adds of the tile at
+    the descriptor's in-bounds positions, as the copy engine's bulk reduction does."""
+    from triton._C.libtriton import ir
+
+    if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+        raise NotImplementedError(f"flexattn: the interpreter emulates descriptor additions only, not {kind}")
+    ptrs, mask = desc.materialize_pointers(indices)
+    op = ir.ATOMIC_OP.FADD if value.dtype.scalar.is_floating() else ir.ATOMIC_OP.ADD
+    return builder.create_atomic_rmw(op, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED, ir.MEM_SYNC_SCOPE.GPU)
 
 
 def inductor_cpu_backend() -> str:

@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--score", default="none", choices=["none", "softcap", "alibi"])
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--q-seq", type=int, default=None, help="query length (default --seq; 1 for the decode kernel)")
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--dtype", default="bfloat16")
@@ -45,7 +46,8 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     hkv = args.kv_heads or args.heads
-    q = torch.randn(1, args.heads, args.seq, args.dim, dtype=dtype, requires_grad=args.backward)
+    q_seq = args.q_seq or args.seq
+    q = torch.randn(1, args.heads, q_seq, args.dim, dtype=dtype, requires_grad=args.backward)
     k = torch.randn(1, hkv, args.seq, args.dim, dtype=dtype, requires_grad=args.backward)
     v = torch.randn(1, hkv, args.seq, args.dim, dtype=dtype, requires_grad=args.backward)
     mask_mod = {"none": None, "causal": mods.causal_mask,
@@ -55,7 +57,7 @@ def main() -> None:
                  "alibi": mods.alibi(args.heads)}[args.score]
     block_mask = None
     if mask_mod is not None:
-        block_mask = flexattn.create_block_mask(mask_mod, 1, 1, args.seq, args.seq, device="cpu")
+        block_mask = flexattn.create_block_mask(mask_mod, 1, 1, q_seq, args.seq, device="cpu")
     options = json.loads(args.options)
 
     def run(q, k, v):

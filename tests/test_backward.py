@@ -354,16 +354,19 @@ def test_relative_bias_with_document_mask_gqa():
 # --------------------------------------------------------------------------------------
 # Block masks and kernel options
 # --------------------------------------------------------------------------------------
-def test_no_full_blocks():
-    """A BlockMask without full blocks (HAS_FULL_BLOCKS=False): every causal block is
-    listed as partial, so mask_mod runs everywhere."""
-    n, block = scaled(64, 1000), scaled(32, 128)
+def _causal_without_full_blocks(n: int, block: int) -> BlockMask:
+    """A causal BlockMask (HAS_FULL_BLOCKS=False) listing every block as partial, so
+    mask_mod runs everywhere."""
     n_blocks = -(-n // block)
     kv_num_blocks = torch.arange(1, n_blocks + 1, dtype=torch.int32, device=DEVICE).view(1, 1, n_blocks)
     kv_indices = torch.arange(n_blocks, dtype=torch.int32, device=DEVICE).expand(1, 1, n_blocks, n_blocks).contiguous()
-    bm = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block, mask_mod=mods.causal_mask,
-                                  seq_lengths=(n, n))
-    run_case(dtype=torch.float16, L=n, S=n, block_mask=bm)
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block, mask_mod=mods.causal_mask,
+                                    seq_lengths=(n, n))
+
+
+def test_no_full_blocks():
+    n = scaled(64, 1000)
+    run_case(dtype=torch.float16, L=n, S=n, block_mask=_causal_without_full_blocks(n, scaled(32, 128)))
 
 
 @pytest.mark.parametrize("options", [
@@ -396,13 +399,9 @@ def test_one_loop_and_tma(options, L, S, E, Hq, Hkv):
 
 @pytest.mark.parametrize("options", LOOP_AND_TMA_OPTIONS, ids=lambda o: ",".join(o))
 def test_one_loop_and_tma_without_full_blocks(options):
-    n, block = scaled(64, 1000), scaled(32, 128)
-    n_blocks = -(-n // block)
-    kv_num_blocks = torch.arange(1, n_blocks + 1, dtype=torch.int32, device=DEVICE).view(1, 1, n_blocks)
-    kv_indices = torch.arange(n_blocks, dtype=torch.int32, device=DEVICE).expand(1, 1, n_blocks, n_blocks).contiguous()
-    bm = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block, mask_mod=mods.causal_mask,
-                                  seq_lengths=(n, n))
-    run_case(dtype=torch.float16, L=n, S=n, block_mask=bm, options=options)
+    n = scaled(64, 1000)
+    run_case(dtype=torch.float16, L=n, S=n, block_mask=_causal_without_full_blocks(n, scaled(32, 128)),
+             options=options)
 
 
 def test_one_loop_with_captured_mask_tensor():
@@ -475,11 +474,14 @@ DQ_ATOMIC_CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else []), ids=str)
 @pytest.mark.parametrize("case", sorted(DQ_ATOMIC_CASES))
-def test_dq_atomic(case, dtype):
-    if not ON_CUDA and dtype == torch.float32 and case != "causal_odd":
+@pytest.mark.parametrize("use_tma", [False, True], ids=lambda t: f"USE_TMA={t}")
+def test_dq_atomic(case, dtype, use_tma):
+    """With USE_TMA the dQ shares are bulk reductions through a descriptor of the
+    float32 accumulator (the interpreter emulates them with atomic adds)."""
+    if not ON_CUDA and dtype == torch.float32 and (case != "causal_odd" or use_tma):
         pytest.skip("interpreter budget: float32 on one case")
-    run_case(dtype=dtype, options={"DQ_ATOMIC": True}, block_size=scaled(16, 128), seed=zlib.crc32(case.encode()),
-             **DQ_ATOMIC_CASES[case])
+    run_case(dtype=dtype, options={"DQ_ATOMIC": True, "USE_TMA": use_tma}, block_size=scaled(16, 128),
+             seed=zlib.crc32(case.encode()), **DQ_ATOMIC_CASES[case])
 
 
 @pytest.mark.parametrize("dq_atomic", [True, False])

@@ -401,6 +401,8 @@ def test_block_sizes(block_size, L):
     {"BLOCKS_ARE_CONTIGUOUS": True},
     {"BLOCK_N": 16, "num_warps": 2, "num_stages": 1},
     {"OUTPUT_MAX": False, "OUTPUT_LOGSUMEXP": False},
+    {"USE_TMA": True},
+    {"USE_TMA": True, "SPLIT_KV": 3, "FUSED_MERGE": True},
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_kernel_options(options):
     L, S = 2, scaled(200, 2000)
@@ -421,6 +423,13 @@ def test_no_full_blocks():
 def test_head_dims(E, Ev):
     L, S = 1, scaled(130, 1300)
     run_case(Hq=4, Hkv=1, L=L, S=S, E=E, Ev=Ev, mask_mod=causal_at(_offset(L, S)))
+
+
+def test_tma_at_odd_lengths_and_padded_head_dims():
+    """K/V tiles through descriptors: the copy engine zero-fills keys past KV_LEN and
+    the head-dim padding (E=80 pads to 128, Ev=48 to 64)."""
+    L, S = 3, scaled(131, 1301)
+    run_case(Hq=4, Hkv=2, L=L, S=S, E=80, Ev=48, mask_mod=causal_at(_offset(L, S)), options={"USE_TMA": True})
 
 
 def test_kv_batch_1_and_non_contiguous():

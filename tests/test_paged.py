@@ -317,13 +317,14 @@ def test_paged_matches_contiguous_dense_path(group, L):
     (4, 1, None),                              # decode kernel, chosen automatically
     (2, 17, None),                             # a prefill chunk through the decode kernel
     (8, 5, {"FORCE_DECODE": False}),           # the main kernel on the pages
-], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8"])
+    (4, 1, {"USE_TMA": True}),                 # descriptor loads of the pool's pages
+], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8", "decode-L1-gqa4-tma"])
 def test_paged_matches_contiguous_kernels(group, L, options):
     # Two sequences and one KV head keep the interpreter's work small.
     cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=1, seed=group + L, lengths=(152, 70))
     assert cache.pool_length >= 256             # long enough for the automatic decode choice
     (out, lse), code = run_and_get_code(paged_attention, cache, seqs, q, mask_mod, score_mod, options=options)
-    mark = MAIN_MARK if options else DECODE_MARK
+    mark = MAIN_MARK if options and options.get("FORCE_DECODE") is False else DECODE_MARK
     assert mark in "\n".join(code), f"{mark} is not in the generated code"
     seqs.check("paged", q, out, lse, mask_mod, score_mod)
 

@@ -502,10 +502,20 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     subgraphs: list[Any] = [score_buffer, mask_buffer, grad_score_buffer, grad_plan.scatters,
                             *grad_plan.reduced]
 
+    dq_atomic = use_dq_atomics(kernel_options, device, dtype)
+    if dq_atomic:
+        # Unscaled float32 sums of the atomic adds; scaled and cast after the kernel.
+        grad_query = realize_fixed(lowerings[aten.full.default]([B, Hq, L, E], 0.0, dtype=torch.float32,
+                                                                device=device))
+    else:
+        grad_query = _dense_like([B, Hq, L, E], device, dtype)
+    # Tiles read (or, the dQ accumulator, reduced into) through descriptors with USE_TMA.
+    tma_operands = [(grad_out, "output gradient")] + ([(grad_query, "dQ accumulator")] if dq_atomic else [])
     spec = forward_specialisations(
         query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
         sparse_q=sparse_q, sparse_kv=sparse_kv, has_full_blocks=has_full_blocks,
-        has_score_mod=has_score_mod, kernel="backward", extra_tma_operands=((grad_out, "output gradient"),))
+        has_score_mod=has_score_mod, kernel="backward", extra_tma_operands=tma_operands)
+    spec["DQ_ATOMIC"] = dq_atomic
     known = sizevars.statically_known_true
     spec.update(
         HAS_BUFFER_GRADS=bool(grad_plan.scatters),
@@ -517,13 +527,6 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     )
 
     dk_layout = ir.FixedLayout(device, dtype, [B, Hkv, S, E], ir.FlexibleLayout.contiguous_strides([B, Hkv, S, E]))
-    spec["DQ_ATOMIC"] = use_dq_atomics(kernel_options, device, dtype)
-    if spec["DQ_ATOMIC"]:
-        # Unscaled float32 sums of the atomic adds; scaled and cast after the kernel.
-        grad_query = realize_fixed(lowerings[aten.full.default]([B, Hq, L, E], 0.0, dtype=torch.float32,
-                                                                device=device))
-    else:
-        grad_query = _dense_like([B, Hq, L, E], device, dtype)
     grad_value = _dense_like([B, Hkv, S, Ev], device, dtype)
 
     candidates = bcfgs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
@@ -533,7 +536,8 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
         qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"],
         elem_bytes=torch.empty((), dtype=dtype).element_size(), smem_limit=shared_memory_limit(device),
         gathered_bytes=(gathered_tile_bytes(fw_graph.graph_module, len(SCORE_MOD_ARGS))
-                        + gathered_tile_bytes(mask_graph.graph_module, len(MASK_MOD_ARGS))))
+                        + gathered_tile_bytes(mask_graph.graph_module, len(MASK_MOD_ARGS))),
+        staged_dq=dq_atomic and spec["USE_TMA"])
 
     input_nodes = [query, key, value, logsumexp, delta, grad_out, grad_query, grad_value,
                    kv_num_blocks, kv_indices, q_num_blocks, q_indices,

@@ -93,7 +93,9 @@ DEFAULTS: dict[tuple[str, int, str], BackwardConfig] = {
 #: (bench/tune_backward.py --dq-atomic on, bf16, fwd+bwd TFLOP/s, best tiles of each):
 #: D=128 S=8192 no mask 403 with atomics vs 414 with dQ programs, causal 375 vs 382;
 #: D=256 causal S=4096 191 vs 220. The five-matmul schedule does not pay for its
-#: float32 atomics (and the registers of the dQ share) in these kernels.
+#: float32 atomics (and the registers of the dQ share) in these kernels. Those were
+#: per-element atomics; the bulk reductions of DQ_ATOMIC with USE_TMA are not measured
+#: yet (sm90 ptxas, D=128 causal 64/64/64/64: 0 spill bytes with 8 warps, 232 with 4).
 DQ_ATOMIC_GENERATIONS: frozenset[tuple[str, str]] = frozenset()
 
 
@@ -155,13 +157,17 @@ def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.d
 
 
 def shared_memory_estimate(cfg: BackwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int,
-                           gathered_bytes: int = 0) -> int:
+                           gathered_bytes: int = 0, staged_dq: bool = False) -> int:
     """Bytes of the larger program kind: its resident tiles plus num_stages buffered
     tiles of the loop operand (Q and dO for dK/dV programs, K and V for dQ programs),
-    plus the mods' score-shaped gathers buffered for each extra stage."""
+    plus the mods' score-shaped gathers buffered for each extra stage, plus with
+    ``staged_dq`` the float32 dQ share that a bulk reduction (DQ_ATOMIC with USE_TMA)
+    copies out of shared memory."""
     row = qk_dim_pad + v_dim_pad
     extra = (cfg.num_stages - 1) * gathered_bytes
     dkv = elem_bytes * (cfg.block_n1 * row + cfg.num_stages * cfg.block_m1 * row) + extra * cfg.block_n1 * cfg.block_m1
+    if staged_dq:
+        dkv += 4 * cfg.block_m1 * qk_dim_pad
     dq = elem_bytes * (cfg.block_m2 * row + cfg.num_stages * cfg.block_n2 * row) + extra * cfg.block_m2 * cfg.block_n2
     return max(dkv, dq)
 
@@ -182,7 +188,8 @@ def fit_to_sparse_blocks(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> 
 
 def usable_configs(candidates: list[BackwardConfig], kernel_options: dict[str, Any], *,
                    sparse_q: int, sparse_kv: int, qk_dim_pad: int, v_dim_pad: int,
-                   elem_bytes: int, smem_limit: int | None, gathered_bytes: int = 0) -> list[BackwardConfig]:
+                   elem_bytes: int, smem_limit: int | None, gathered_bytes: int = 0,
+                   staged_dq: bool = False) -> list[BackwardConfig]:
     """The candidates that satisfy every constraint (see the module docstring)."""
     pinned = pinned_fields(kernel_options)
     limits = {"block_m1": ("Q", sparse_q), "block_n1": ("KV", sparse_kv),
@@ -203,7 +210,7 @@ def usable_configs(candidates: list[BackwardConfig], kernel_options: dict[str, A
         if fitted is None:
             continue
         fitted = fit_to_shared_memory(
-            fitted, lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes),
+            fitted, lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes, staged_dq),
             smem_limit, pinned, steps=(("num_stages", 1), ("block_m1", MIN_TILE), ("block_n2", MIN_TILE)))
         if fitted is None:
             continue

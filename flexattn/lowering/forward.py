@@ -221,9 +221,6 @@ def warn_inert_options(kernel_options: dict[str, Any]) -> None:
             warnings.warn(f"flexattn: kernel_options {key}={kernel_options[key]!r}: {why}", stacklevel=2)
 
 
-#: The kernels that load Q/K/V tiles through tensor descriptors when USE_TMA is set
-#: (where it is on by default: configs.TMA_DEFAULTS).
-TMA_KERNELS = ("forward", "backward")
 #: The copy engine's alignment of base addresses and row strides, in bytes.
 TMA_ALIGNMENT = 16
 
@@ -263,11 +260,6 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str,
     """
     requested = kernel_options.get("USE_TMA")
     if requested is not None and not requested:
-        return False
-    if kernel not in TMA_KERNELS:
-        if requested:
-            warnings.warn(f"flexattn: kernel_options USE_TMA=True: the {kernel} kernel has no tensor-descriptor "
-                          "path; it loads through pointers", stacklevel=2)
         return False
     if requested is None:
         qk_pad = next_power_of_two_at_least_16(V.graph.sizevars.guard_int(query.get_size()[-1]))
