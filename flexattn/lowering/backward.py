@@ -51,8 +51,8 @@ from ..templates import kernel_source
 from . import backward_configs as bcfgs
 from .configs import shared_memory_limit
 from .dense import _example, _lower_graph, _static, broadcastable_mod, dense_attention
-from .forward import (as_tensor_boxes, broadcast_to, captured_for_kernel, realize_fixed, template_choices,
-                      use_triton_template)
+from .forward import (as_tensor_boxes, broadcast_to, captured_for_kernel, realize_fixed, report_choice,
+                      template_choices, use_triton_template)
 from .subgraph import (MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, depends_on, gathered_tile_bytes,
                        is_identity_score_mod, use_fast_tanh)
 
@@ -560,7 +560,10 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
     input_gen_fns = _benchmark_inputs(has_full_blocks, kv_indices, q_indices, full_kv_indices, full_q_indices)
     grad_key = _compat.autotune_select_node(
         TEMPLATE_NAME, choices, input_nodes + extra + scatter_grads, dk_layout, input_gen_fns=input_gen_fns)
-    _report_choice(grad_key, config_of_choice, usable, spec, query, key, value, kernel_options)
+    report_choice("backward", grad_key, config_of_choice, usable, spec,
+                  ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS", "HAS_SCORE_MOD",
+                   "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N", "DQ_ATOMIC", "USE_TMA"),
+                  query, key, value, kernel_options)
 
     grad_key, grad_value = ir.TensorBox(grad_key) if not isinstance(grad_key, ir.TensorBox) else grad_key, \
         ir.TensorBox(grad_value)
@@ -598,26 +601,6 @@ def _benchmark_inputs(has_full_blocks, kv_indices, q_indices, full_kv_indices, f
                 14: _benchmark_block_counts(full_q_indices, 0.5), 15: _benchmark_full_block_indices}
     return {8: _benchmark_block_counts(kv_indices, 1.0), 9: _benchmark_block_indices,
             10: _benchmark_block_counts(q_indices, 1.0), 11: _benchmark_block_indices}
-
-
-def _report_choice(node, config_of_choice, usable, spec, query, key, value, kernel_options) -> None:
-    from .forward import _debug_requested
-
-    buffer = node.data.data if isinstance(node, ir.TensorBox) else node
-    render = getattr(buffer, "make_kernel_render", None)
-    chosen = config_of_choice.get(id(render))
-    level = logging.WARNING if _debug_requested(kernel_options) else logging.INFO
-    if not log.isEnabledFor(level):
-        return
-    what = chosen.describe() if chosen is not None else (
-        f"decided later by Inductor among {[c.describe() for c in usable]}")
-    log.log(level,
-            "flexattn backward: q %s k %s v %s %s -> %s (of %d candidate(s)); specialisations %s",
-            list(query.get_size()), list(key.get_size()), list(value.get_size()), query.get_dtype(),
-            what, len(usable),
-            {k: spec[k] for k in ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
-                                  "HAS_SCORE_MOD", "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N",
-                                  "DQ_ATOMIC")})
 
 
 __all__ = ["backward_grid", "backward_template", "lower_flex_attention_backward"]

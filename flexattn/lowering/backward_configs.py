@@ -22,17 +22,17 @@ value breaks a constraint.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from .configs import MIN_TILE, ConfigError, fit_to_shared_memory, gpu_generation, head_dim_bucket
+from .configs import (MIN_TILE, ConfigError, TileConfig, check_pinned, fit_candidates, fit_tiles,
+                      gpu_generation, head_dim_bucket, with_pinned)
 
 
 @dataclass(frozen=True)
-class BackwardConfig:
+class BackwardConfig(TileConfig):
     """One launch configuration of the backward template."""
 
     block_m1: int
@@ -50,10 +50,10 @@ class BackwardConfig:
     #: vs 424; D=64 causal w4 s3 250 vs 309).
     one_kv_loop: bool = False
 
-    def describe(self) -> str:
-        return (f"BLOCK_M1={self.block_m1} BLOCK_N1={self.block_n1} BLOCK_M2={self.block_m2} "
-                f"BLOCK_N2={self.block_n2} num_warps={self.num_warps} num_stages={self.num_stages}"
-                + (" ONE_KV_LOOP" if self.one_kv_loop else ""))
+    OPTION_NAMES: ClassVar[dict[str, str]] = {
+        "block_m1": "BLOCK_M1", "block_n1": "BLOCK_N1", "block_m2": "BLOCK_M2", "block_n2": "BLOCK_N2",
+        "num_warps": "num_warps", "num_stages": "num_stages", "one_kv_loop": "ONE_KV_LOOP"}
+    OPTION_PREFIX: ClassVar[str] = "bwd_"
 
 
 # Default per (GPU generation, padded QK head dim bucket, dtype width). The dK/dV
@@ -118,10 +118,6 @@ AUTOTUNE_CANDIDATES: tuple[BackwardConfig, ...] = (
     BackwardConfig(16, 64, 64, 16, 4, 2),
 )
 
-_FIELDS = ("block_m1", "block_n1", "block_m2", "block_n2", "num_warps", "num_stages", "one_kv_loop")
-_OPTION_NAMES = {"block_m1": "BLOCK_M1", "block_n1": "BLOCK_N1", "block_m2": "BLOCK_M2",
-                 "block_n2": "BLOCK_N2", "num_warps": "num_warps", "num_stages": "num_stages",
-                 "one_kv_loop": "ONE_KV_LOOP"}
 
 
 def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> BackwardConfig:
@@ -129,16 +125,9 @@ def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtyp
     return DEFAULTS[(gpu_generation(device), head_dim_bucket(padded_head_dim), width)]
 
 
-def pinned_fields(kernel_options: dict[str, Any]) -> dict[str, int]:
+def pinned_fields(kernel_options: dict[str, Any]) -> dict[str, Any]:
     """The config fields kernel_options pin, keyed by BackwardConfig field name."""
-    pinned: dict[str, int] = {}
-    for field in _FIELDS:
-        name = _OPTION_NAMES[field]
-        for spelled in (name, f"bwd_{name}"):  # the bwd_ spelling is read last and wins
-            if kernel_options.get(spelled) is not None:
-                value = kernel_options[spelled]
-                pinned[field] = bool(value) if field == "one_kv_loop" else int(value)
-    return pinned
+    return BackwardConfig.pinned_fields(kernel_options)
 
 
 def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.dtype,
@@ -147,13 +136,7 @@ def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.d
     configs = [default_config(device, padded_head_dim, dtype)]
     if max_autotune:
         configs += list(AUTOTUNE_CANDIDATES)
-    pinned = pinned_fields(kernel_options)
-    out: list[BackwardConfig] = []
-    for cfg in configs:
-        cfg = dataclasses.replace(cfg, **pinned)
-        if cfg not in out:
-            out.append(cfg)
-    return out
+    return with_pinned(configs, pinned_fields(kernel_options))
 
 
 def shared_memory_estimate(cfg: BackwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int,
@@ -172,18 +155,13 @@ def shared_memory_estimate(cfg: BackwardConfig, qk_dim_pad: int, v_dim_pad: int,
     return max(dkv, dq)
 
 
+def _block_limits(sparse_q: int, sparse_kv: int) -> dict[str, int]:
+    return {"block_m1": sparse_q, "block_n1": sparse_kv, "block_m2": sparse_q, "block_n2": sparse_kv}
+
+
 def fit_to_sparse_blocks(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> BackwardConfig | None:
     """Halve the tiles of ``cfg`` until each divides its BlockMask block size."""
-    limits = {"block_m1": sparse_q, "block_n1": sparse_kv, "block_m2": sparse_q, "block_n2": sparse_kv}
-    fitted = {}
-    for field, limit in limits.items():
-        value = getattr(cfg, field)
-        while value > MIN_TILE and limit % value:
-            value //= 2
-        if limit % value:
-            return None
-        fitted[field] = value
-    return dataclasses.replace(cfg, **fitted)
+    return fit_tiles(cfg, _block_limits(sparse_q, sparse_kv))
 
 
 def usable_configs(candidates: list[BackwardConfig], kernel_options: dict[str, Any], *,
@@ -192,30 +170,14 @@ def usable_configs(candidates: list[BackwardConfig], kernel_options: dict[str, A
                    staged_dq: bool = False) -> list[BackwardConfig]:
     """The candidates that satisfy every constraint (see the module docstring)."""
     pinned = pinned_fields(kernel_options)
-    limits = {"block_m1": ("Q", sparse_q), "block_n1": ("KV", sparse_kv),
-              "block_m2": ("Q", sparse_q), "block_n2": ("KV", sparse_kv)}
-    for field, (which, limit) in limits.items():
-        if field in pinned:
-            value = pinned[field]
-            if value < MIN_TILE or value & (value - 1) or limit % value:
-                raise ConfigError(
-                    f"flexattn: kernel_options bwd_{_OPTION_NAMES[field]}={value} must be a power "
-                    f"of two >= {MIN_TILE} that divides the BlockMask's {which}_BLOCK_SIZE={limit}")
-    for field in ("num_warps", "num_stages"):
-        if field in pinned and pinned[field] < 1:
-            raise ConfigError(f"flexattn: kernel_options bwd_{field}={pinned[field]} must be >= 1")
-    usable: list[BackwardConfig] = []
-    for cfg in candidates:
-        fitted = fit_to_sparse_blocks(cfg, sparse_q, sparse_kv)
-        if fitted is None:
-            continue
-        fitted = fit_to_shared_memory(
-            fitted, lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes, staged_dq),
-            smem_limit, pinned, steps=(("num_stages", 1), ("block_m1", MIN_TILE), ("block_n2", MIN_TILE)))
-        if fitted is None:
-            continue
-        if fitted not in usable:
-            usable.append(fitted)
+    check_pinned(pinned, {"block_m1": ("BLOCK_M1", "Q", sparse_q), "block_n1": ("BLOCK_N1", "KV", sparse_kv),
+                          "block_m2": ("BLOCK_M2", "Q", sparse_q), "block_n2": ("BLOCK_N2", "KV", sparse_kv)},
+                 prefix="bwd_")
+    usable = fit_candidates(
+        candidates, block_limits=_block_limits(sparse_q, sparse_kv),
+        estimate=lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes, staged_dq),
+        smem_limit=smem_limit, pinned=pinned,
+        steps=(("num_stages", 1), ("block_m1", MIN_TILE), ("block_n2", MIN_TILE)))
     if not usable:
         raise ConfigError(
             f"flexattn: no backward tile configuration fits this call (BlockMask block sizes "

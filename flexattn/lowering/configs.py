@@ -13,19 +13,121 @@ tried for a call:
 every candidate. ``usable_configs`` then drops candidates that break a constraint (the
 BlockMask's block sizes must be multiples of the tiles; the pipelined K/V tiles must fit
 in shared memory) and raises when a pinned choice itself breaks one.
+
+The machinery shared with the backward (backward_configs.py) and decode (decode.py)
+tables lives here too: ``TileConfig`` (option names, pinning, ``describe``),
+``with_pinned``, ``check_pinned``, ``fit_tiles``, ``fit_to_shared_memory`` and
+``fit_candidates``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
+MIN_TILE = 16  # tl.dot needs every dimension >= 16
+
+
+class ConfigError(ValueError):
+    """kernel_options pin a tile configuration the call cannot use."""
+
+
+class TileConfig:
+    """What the kernels' frozen config dataclasses (ForwardConfig, BackwardConfig,
+    decode's DecodeConfig) share: ``OPTION_NAMES`` maps each field to the kernel_options
+    key that pins it, and ``OPTION_PREFIX`` (``fwd_``, ``bwd_``) spells a key that pins
+    it for this kernel alone and wins over the unprefixed one."""
+
+    OPTION_NAMES: ClassVar[dict[str, str]] = {}
+    OPTION_PREFIX: ClassVar[str] = ""
+
+    def describe(self) -> str:
+        """The fields as kernel_options would pin them; a flag only when it is set."""
+        parts = []
+        for field, option in self.OPTION_NAMES.items():
+            value = getattr(self, field)
+            if isinstance(value, bool):
+                parts += [option] if value else []
+            else:
+                parts.append(f"{option}={value}")
+        return " ".join(parts)
+
+    @classmethod
+    def pinned_fields(cls, kernel_options: dict[str, Any]) -> dict[str, Any]:
+        """The fields kernel_options pin, keyed by field name (flags as bool, the rest int)."""
+        flags = {f.name for f in dataclasses.fields(cls) if f.type in ("bool", bool)}
+        pinned: dict[str, Any] = {}
+        for field, option in cls.OPTION_NAMES.items():
+            spellings = (option, f"{cls.OPTION_PREFIX}{option}") if cls.OPTION_PREFIX else (option,)
+            for spelled in spellings:  # the prefixed spelling is read last and wins
+                if kernel_options.get(spelled) is not None:
+                    value = kernel_options[spelled]
+                    pinned[field] = bool(value) if field in flags else int(value)
+        return pinned
+
+
+def with_pinned(configs: Sequence[TileConfig], pinned: dict[str, Any]) -> list:
+    """``configs`` with the pinned fields replaced, duplicates dropped (order kept)."""
+    out: list = []
+    for cfg in configs:
+        cfg = dataclasses.replace(cfg, **pinned)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def check_pinned(pinned: dict[str, Any], tile_limits: dict[str, tuple[str, str, int]], prefix: str = "") -> None:
+    """Raise ConfigError for a pinned tile that is not a power of two >= MIN_TILE dividing
+    its BlockMask block size, or a pinned num_warps / num_stages below 1.
+    ``tile_limits``: field -> (its kernel_options name, "Q" or "KV", the block size);
+    ``prefix`` is put before the names in the messages."""
+    for field, (option, which, limit) in tile_limits.items():
+        if field in pinned:
+            value = pinned[field]
+            if value < MIN_TILE or value & (value - 1) or limit % value:
+                raise ConfigError(
+                    f"flexattn: kernel_options {prefix}{option}={value} must be a power of two >= {MIN_TILE} "
+                    f"that divides the BlockMask's {which}_BLOCK_SIZE={limit}")
+    for field in ("num_warps", "num_stages"):
+        if field in pinned and pinned[field] < 1:
+            raise ConfigError(f"flexattn: kernel_options {prefix}{field}={pinned[field]} must be >= 1")
+
+
+def fit_tiles(cfg, limits: dict[str, int]):
+    """``cfg`` with each tile field in ``limits`` halved until it divides its limit (the
+    BlockMask's block size); None when one cannot."""
+    fitted = {}
+    for field, limit in limits.items():
+        value = getattr(cfg, field)
+        while value > MIN_TILE and limit % value:
+            value //= 2
+        if limit % value:
+            return None
+        fitted[field] = value
+    return dataclasses.replace(cfg, **fitted)
+
+
+def fit_candidates(candidates: Sequence, *, block_limits: dict[str, int],
+                   estimate: Callable[[Any], int] | None = None, smem_limit: int | None = None,
+                   pinned: dict[str, Any] | None = None, steps=()) -> list:
+    """Each candidate fitted to the BlockMask's blocks (``fit_tiles``) and then, given an
+    ``estimate``, to shared memory (``fit_to_shared_memory`` with ``steps``); those that
+    cannot be dropped, duplicates too."""
+    usable: list = []
+    for cfg in candidates:
+        fitted = fit_tiles(cfg, block_limits)
+        if fitted is not None and estimate is not None:
+            fitted = fit_to_shared_memory(fitted, estimate, smem_limit, pinned or {}, steps)
+        if fitted is not None and fitted not in usable:
+            usable.append(fitted)
+    return usable
+
 
 @dataclass(frozen=True)
-class ForwardConfig:
+class ForwardConfig(TileConfig):
     """One launch configuration of the forward template."""
 
     block_m: int
@@ -38,10 +140,9 @@ class ForwardConfig:
     #: warps on 128-row tiles); elsewhere the two loops measured faster.
     one_kv_loop: bool = False
 
-    def describe(self) -> str:
-        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} "
-                f"num_warps={self.num_warps} num_stages={self.num_stages}"
-                + (" ONE_KV_LOOP" if self.one_kv_loop else ""))
+    OPTION_NAMES: ClassVar[dict[str, str]] = {"block_m": "BLOCK_M", "block_n": "BLOCK_N", "num_warps": "num_warps",
+                                              "num_stages": "num_stages", "one_kv_loop": "ONE_KV_LOOP"}
+    OPTION_PREFIX: ClassVar[str] = "fwd_"
 
 
 # Default per (GPU generation, padded QK head dim, dtype width). "sm90" is Hopper and
@@ -98,15 +199,6 @@ AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
     ForwardConfig(64, 64, 4, 4),
     ForwardConfig(64, 32, 4, 3),
 )
-
-MIN_TILE = 16  # tl.dot needs every dimension >= 16
-
-_OVERRIDE_KEYS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n",
-                  "num_warps": "num_warps", "num_stages": "num_stages", "ONE_KV_LOOP": "one_kv_loop"}
-
-
-class ConfigError(ValueError):
-    """kernel_options pin a tile configuration the call cannot use."""
 
 
 def gpu_generation(device: torch.device) -> str:
@@ -190,15 +282,9 @@ def fit_to_shared_memory(cfg, estimate, limit: int | None, pinned: dict[str, int
     return cfg if estimate(cfg) <= limit else None
 
 
-def pinned_fields(kernel_options: dict[str, Any]) -> dict[str, int]:
+def pinned_fields(kernel_options: dict[str, Any]) -> dict[str, Any]:
     """The config fields kernel_options pin, keyed by ForwardConfig field name."""
-    pinned: dict[str, int] = {}
-    for key, field in _OVERRIDE_KEYS.items():
-        for spelled in (key, f"fwd_{key}"):
-            if kernel_options.get(spelled) is not None:
-                value = kernel_options[spelled]
-                pinned[field] = bool(value) if field == "one_kv_loop" else int(value)
-    return pinned
+    return ForwardConfig.pinned_fields(kernel_options)
 
 
 def candidate_configs(
@@ -218,27 +304,14 @@ def candidate_configs(
     configs = [default_config(device, padded_head_dim, dtype)]
     if max_autotune:
         configs += list(AUTOTUNE_CANDIDATES)
-    pinned = pinned_fields(kernel_options)
-    out: list[ForwardConfig] = []
-    for cfg in configs:
-        if mask_reads_memory:
-            cfg = dataclasses.replace(cfg, one_kv_loop=False)
-        cfg = dataclasses.replace(cfg, **pinned)
-        if cfg not in out:
-            out.append(cfg)
-    return out
+    if mask_reads_memory:
+        configs = [dataclasses.replace(cfg, one_kv_loop=False) for cfg in configs]
+    return with_pinned(configs, pinned_fields(kernel_options))
 
 
 def fit_to_sparse_blocks(cfg: ForwardConfig, sparse_q: int, sparse_kv: int) -> ForwardConfig | None:
     """Shrink the tiles of ``cfg`` (halving) until they divide the BlockMask's blocks."""
-    block_m, block_n = cfg.block_m, cfg.block_n
-    while block_m > MIN_TILE and sparse_q % block_m:
-        block_m //= 2
-    while block_n > MIN_TILE and sparse_kv % block_n:
-        block_n //= 2
-    if sparse_q % block_m or sparse_kv % block_n:
-        return None
-    return dataclasses.replace(cfg, block_m=block_m, block_n=block_n)
+    return fit_tiles(cfg, {"block_m": sparse_q, "block_n": sparse_kv})
 
 
 def usable_configs(
@@ -261,27 +334,12 @@ def usable_configs(
     that breaks a constraint raises ``ConfigError``.
     """
     pinned = pinned_fields(kernel_options)
-    for field, limit in (("block_m", sparse_q), ("block_n", sparse_kv)):
-        if field in pinned:
-            value = pinned[field]
-            if value < MIN_TILE or value & (value - 1) or limit % value:
-                raise ConfigError(
-                    f"flexattn: kernel_options {field.upper()}={value} must be a power of two "
-                    f">= {MIN_TILE} that divides the BlockMask's "
-                    f"{'Q' if field == 'block_m' else 'KV'}_BLOCK_SIZE={limit}"
-                )
-    usable: list[ForwardConfig] = []
-    for cfg in candidates:
-        fitted = fit_to_sparse_blocks(cfg, sparse_q, sparse_kv)
-        if fitted is None:
-            continue
-        fitted = fit_to_shared_memory(
-            fitted, lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes),
-            smem_limit, pinned, steps=(("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n", MIN_TILE)))
-        if fitted is None:
-            continue
-        if fitted not in usable:
-            usable.append(fitted)
+    check_pinned(pinned, {"block_m": ("BLOCK_M", "Q", sparse_q), "block_n": ("BLOCK_N", "KV", sparse_kv)})
+    usable = fit_candidates(
+        candidates, block_limits={"block_m": sparse_q, "block_n": sparse_kv},
+        estimate=lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes),
+        smem_limit=smem_limit, pinned=pinned,
+        steps=(("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n", MIN_TILE)))
     if not usable:
         raise ConfigError(
             f"flexattn: no forward tile configuration fits this call (BlockMask block sizes "

@@ -51,7 +51,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import sympy
 import torch
@@ -69,11 +69,12 @@ from .forward import (
     _benchmark_block_counts,
     _benchmark_block_indices,
     _benchmark_full_block_indices,
-    _debug_requested,
+    REPORTED_SPECIALISATIONS,
     forward_specialisations,
     output_layout,
     prepare_call,
     realize_fixed,
+    report_choice,
     template_choices,
 )
 
@@ -123,15 +124,15 @@ MERGE_HELPERS_MARK = "{#- ---- merge helpers"
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(cfgs.TileConfig):
     """One launch configuration of the decode template (the row tile is fixed per call)."""
 
     block_n: int
     num_warps: int
     num_stages: int
 
-    def describe(self) -> str:
-        return f"BLOCK_N={self.block_n} num_warps={self.num_warps} num_stages={self.num_stages}"
+    OPTION_NAMES: ClassVar[dict[str, str]] = {"block_n": "BLOCK_N", "num_warps": "num_warps",
+                                              "num_stages": "num_stages"}
 
 
 # Default per (GPU generation, padded QK head dim, dtype width), as in configs.DEFAULTS.
@@ -167,9 +168,6 @@ AUTOTUNE_CANDIDATES: tuple[DecodeConfig, ...] = (
     DecodeConfig(128, 4, 3),
     DecodeConfig(128, 8, 2),
 )
-
-_PIN_KEYS = {"BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
-
 
 @SymbolicGridFn
 def decode_grid(batch, head_tiles, q_len, meta, *, cdiv):
@@ -303,11 +301,6 @@ def fused_merge(kernel_options: dict[str, Any]) -> bool:
     return value
 
 
-def _pinned(kernel_options: dict[str, Any]) -> dict[str, int]:
-    return {field: int(kernel_options[key]) for key, field in _PIN_KEYS.items()
-            if kernel_options.get(key) is not None}
-
-
 def decode_configs(device, qk_dim_pad: int, dtype, sparse_kv: int, kernel_options) -> list[DecodeConfig]:
     """The default (+ autotune candidates), pinned fields applied, BLOCK_N fitted to the
     BlockMask's KV block (a pinned BLOCK_N that does not divide it raises)."""
@@ -315,24 +308,9 @@ def decode_configs(device, qk_dim_pad: int, dtype, sparse_kv: int, kernel_option
     candidates = [DEFAULTS[(cfgs.gpu_generation(device), cfgs.head_dim_bucket(qk_dim_pad), width)]]
     if inductor_config.max_autotune:
         candidates += list(AUTOTUNE_CANDIDATES)
-    pinned = _pinned(kernel_options)
-    if "block_n" in pinned:
-        value = pinned["block_n"]
-        if value < cfgs.MIN_TILE or value & (value - 1) or sparse_kv % value:
-            raise cfgs.ConfigError(
-                f"flexattn: kernel_options BLOCK_N={value} must be a power of two >= {cfgs.MIN_TILE} "
-                f"that divides the BlockMask's KV_BLOCK_SIZE={sparse_kv}")
-    out: list[DecodeConfig] = []
-    for cfg in candidates:
-        cfg = dataclasses.replace(cfg, **pinned)
-        block_n = cfg.block_n
-        while block_n > cfgs.MIN_TILE and sparse_kv % block_n:
-            block_n //= 2
-        if sparse_kv % block_n:
-            continue
-        cfg = dataclasses.replace(cfg, block_n=block_n)
-        if cfg not in out:
-            out.append(cfg)
+    pinned = DecodeConfig.pinned_fields(kernel_options)
+    cfgs.check_pinned(pinned, {"block_n": ("BLOCK_N", "KV", sparse_kv)})
+    out = cfgs.fit_candidates(cfgs.with_pinned(candidates, pinned), block_limits={"block_n": sparse_kv})
     if not out:
         raise cfgs.ConfigError(
             f"flexattn: no decode configuration fits the BlockMask's KV_BLOCK_SIZE={sparse_kv} "
@@ -345,7 +323,7 @@ def widen_for_latency(usable: list[DecodeConfig], programs: int, sms: int, keys_
     """The configs with BLOCK_N widened to LATENCY_BLOCK_N when the call is latency-bound
     (``programs`` <= ``sms``), 16-bit, BLOCK_N is not pinned, LATENCY_BLOCK_N divides the
     BlockMask's KV block and each split keeps MIN_STEPS_PER_SPLIT steps of it."""
-    if ("block_n" in _pinned(kernel_options) or programs > sms or dtype not in (torch.float16, torch.bfloat16)
+    if ("block_n" in DecodeConfig.pinned_fields(kernel_options) or programs > sms or dtype not in (torch.float16, torch.bfloat16)
             or sparse_kv % LATENCY_BLOCK_N or keys_per_split < MIN_STEPS_PER_SPLIT * LATENCY_BLOCK_N):
         return usable
     widened: list[DecodeConfig] = []
@@ -458,7 +436,11 @@ def lower_to_decode_template(
         out, lse, row_max = result, ir.TensorBox(lse), ir.TensorBox(row_max)
     else:
         out, lse, row_max = _merge(result, m_part, l_part, query, spec, split_kv)
-    _report_choice(result, config_of_choice, usable, pack, split_kv, fused, spec, query, key, kernel_options)
+    report_choice("decode", result, config_of_choice, usable, spec, REPORTED_SPECIALISATIONS, query, key, value,
+                  kernel_options,
+                  details=(f", SPLIT_KV={split_kv}, HEADS_PER_TILE={pack.heads_per_tile} BLOCK_Q={pack.block_q} "
+                           f"BLOCK_M={pack.block_m}, "
+                           + ("one launch (FUSED_MERGE)" if fused else "two launches (merge pass)")))
     return out, lse, row_max
 
 
@@ -492,26 +474,6 @@ def _merge(acc, m_part, l_part, query, spec, split_kv):
         raise RuntimeError(f"flexattn: the decode merge template could not be generated: {error}")
     out = _compat.autotune_select_node(MERGE_TEMPLATE_NAME, choices, [acc, m_part, l_part, lse, row_max], layout)
     return out, ir.TensorBox(lse), ir.TensorBox(row_max)
-
-
-def _report_choice(acc, config_of_choice, usable, pack, split_kv, fused, spec, query, key, kernel_options) -> None:
-    level = logging.WARNING if _debug_requested(kernel_options) else logging.INFO
-    if not log.isEnabledFor(level):
-        return
-    buffer = acc.data.data if isinstance(acc, ir.TensorBox) else acc
-    chosen = config_of_choice.get(id(getattr(buffer, "make_kernel_render", None)))
-    what = chosen.describe() if chosen is not None else (
-        f"decided later by Inductor among {[c.describe() for c in usable]}")
-    log.log(
-        level,
-        "flexattn decode: q %s k %s %s -> %s, SPLIT_KV=%d, HEADS_PER_TILE=%d BLOCK_Q=%d BLOCK_M=%d "
-        "(of %d candidate(s)), %s; specialisations %s",
-        list(query.get_size()), list(key.get_size()), query.get_dtype(), what, split_kv,
-        pack.heads_per_tile, pack.block_q, pack.block_m, len(usable),
-        "one launch (FUSED_MERGE)" if fused else "two launches (merge pass)",
-        {k: spec[k] for k in ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
-                              "HAS_SCORE_MOD", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE")},
-    )
 
 
 __all__ = [

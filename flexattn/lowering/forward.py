@@ -521,7 +521,8 @@ def lower_to_template(
     out = _compat.autotune_select_node(
         "flexattn_forward", choices, input_nodes + captured, layout, input_gen_fns=input_gen_fns)
 
-    _report_choice(out, config_of_choice, usable, spec, query, key, value, kernel_options)
+    report_choice("forward", out, config_of_choice, usable, spec, REPORTED_SPECIALISATIONS, query, key, value,
+                  kernel_options)
     return out, ir.TensorBox(lse), ir.TensorBox(row_max)
 
 
@@ -538,23 +539,27 @@ def _debug_requested(kernel_options: dict[str, Any]) -> bool:
     return bool(kernel_options.get("DEBUG_CONFIG")) or os.environ.get(DEBUG_ENV_VAR, "0") == "1"
 
 
-def _report_choice(out, config_of_choice, usable, spec, query, key, value, kernel_options) -> None:
-    buffer = out.data.data if isinstance(out, ir.TensorBox) else out
-    render = getattr(buffer, "make_kernel_render", None)
-    chosen = config_of_choice.get(id(render))
+def report_choice(kernel: str, node, config_of_choice, usable, spec: dict[str, Any], spec_keys: Sequence[str],
+                  query, key, value, kernel_options: dict[str, Any], details: str = "") -> None:
+    """Log which tile configuration a call of ``kernel`` got (at WARNING with
+    kernel_options DEBUG_CONFIG or FLEXATTN_DEBUG=1, else at INFO): the input shapes,
+    the config (or the candidates when Inductor decides later), ``details`` and the
+    ``spec_keys`` specialisations."""
     level = logging.WARNING if _debug_requested(kernel_options) else logging.INFO
     if not log.isEnabledFor(level):
         return
+    buffer = node.data.data if isinstance(node, ir.TensorBox) else node
+    chosen = config_of_choice.get(id(getattr(buffer, "make_kernel_render", None)))
     what = chosen.describe() if chosen is not None else (
         f"decided later by Inductor among {[c.describe() for c in usable]}")
-    log.log(
-        level,
-        "flexattn forward: q %s k %s v %s %s -> %s (of %d candidate(s)); specialisations %s",
-        list(query.get_size()), list(key.get_size()), list(value.get_size()), query.get_dtype(),
-        what, len(usable),
-        {k: spec[k] for k in ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
-                              "HAS_SCORE_MOD", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE")},
-    )
+    log.log(level, "flexattn %s: q %s k %s v %s %s -> %s%s (of %d candidate(s)); specialisations %s",
+            kernel, list(query.get_size()), list(key.get_size()), list(value.get_size()), query.get_dtype(),
+            what, details, len(usable), {k: spec[k] for k in spec_keys})
+
+
+#: The specialisations that report_choice shows for the forward and decode kernels.
+REPORTED_SPECIALISATIONS = ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
+                            "HAS_SCORE_MOD", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "USE_TMA")
 
 
 __all__ = ["forward_grid", "forward_template", "lower_flex_attention", "use_triton_template"]
