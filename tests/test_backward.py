@@ -386,8 +386,13 @@ def test_backward_kernel_options(options):
 LOOP_AND_TMA_OPTIONS = [{"ONE_KV_LOOP": True}, {"USE_TMA": True}, {"ONE_KV_LOOP": True, "USE_TMA": True}]
 
 
-@pytest.mark.parametrize("options", LOOP_AND_TMA_OPTIONS, ids=lambda o: ",".join(o))
-@pytest.mark.parametrize("L,S,E,Hq,Hkv", [(64, 64, 32, 2, 2), (77, 130, 40, 4, 2)], ids=str)
+# Every option set on an even shape; the odd shape (odd lengths, E=40 padded to 64, GQA)
+# with both options at once, which covers the other two's edges (interpreter budget).
+LOOP_AND_TMA_CASES = [(o, 64, 64, 32, 2, 2) for o in LOOP_AND_TMA_OPTIONS] + [(LOOP_AND_TMA_OPTIONS[2], 77, 130, 40, 4, 2)]
+
+
+@pytest.mark.parametrize("options,L,S,E,Hq,Hkv", LOOP_AND_TMA_CASES,
+                         ids=lambda x: ",".join(x) if isinstance(x, dict) else str(x))
 def test_one_loop_and_tma(options, L, S, E, Hq, Hkv):
     L, S = scaled(L, 9 * L + 3), scaled(S, 9 * S + 5)
     run_case(dtype=torch.float16, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, make_mods=_alibi_learnable(Hq),
