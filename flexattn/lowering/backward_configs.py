@@ -94,8 +94,11 @@ DEFAULTS: dict[tuple[str, int, str], BackwardConfig] = {
 #: D=128 S=8192 no mask 403 with atomics vs 414 with dQ programs, causal 375 vs 382;
 #: D=256 causal S=4096 191 vs 220. The five-matmul schedule does not pay for its
 #: float32 atomics (and the registers of the dQ share) in these kernels. Those were
-#: per-element atomics; the bulk reductions of DQ_ATOMIC with USE_TMA are not measured
-#: yet (sm90 ptxas, D=128 causal 64/64/64/64: 0 spill bytes with 8 warps, 232 with 4).
+#: per-element atomics. The bulk reductions of DQ_ATOMIC with USE_TMA (the default at
+#: D=128) did not pay either, in a first short sweep (same GPU, S=8192, fwd+bwd):
+#: 64/128/64/64 w8 s2 349 no mask and 342 causal, 64/64/64/64 w8 s2 243 and 231, against
+#: 431 and 403 for the default dQ programs (sm90 ptxas: 64/64/64/64 spills 232 bytes with
+#: 4 warps, none with 8).
 DQ_ATOMIC_GENERATIONS: frozenset[tuple[str, str]] = frozenset()
 
 
