@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .configs import (MIN_TILE, ConfigError, TileConfig, check_pinned, fit_candidates, fit_tiles,
-                      gpu_generation, head_dim_bucket, with_pinned)
+from .configs import (MIN_TILE, ConfigError, TileConfig, check_pinned, fit_candidates, gpu_generation,
+                      head_dim_bucket, with_pinned)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,6 @@ AUTOTUNE_CANDIDATES: tuple[BackwardConfig, ...] = (
 )
 
 
-
 def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> BackwardConfig:
     width = "fp32" if dtype in (torch.float32, torch.float64) else "16bit"
     return DEFAULTS[(gpu_generation(device), head_dim_bucket(padded_head_dim), width)]
@@ -160,11 +159,6 @@ def shared_memory_estimate(cfg: BackwardConfig, qk_dim_pad: int, v_dim_pad: int,
 
 def _block_limits(sparse_q: int, sparse_kv: int) -> dict[str, int]:
     return {"block_m1": sparse_q, "block_n1": sparse_kv, "block_m2": sparse_q, "block_n2": sparse_kv}
-
-
-def fit_to_sparse_blocks(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> BackwardConfig | None:
-    """Halve the tiles of ``cfg`` until each divides its BlockMask block size."""
-    return fit_tiles(cfg, _block_limits(sparse_q, sparse_kv))
 
 
 def usable_configs(candidates: list[BackwardConfig], kernel_options: dict[str, Any], *,

@@ -9,8 +9,8 @@ tried for a call:
 * with it: that default plus ``AUTOTUNE_CANDIDATES``, benchmarked by Inductor.
 
 ``kernel_options`` may pin any field (``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
-``num_stages``, ``ONE_KV_LOOP``, or their ``fwd_``-prefixed forms); a pinned field replaces that field in
-every candidate. ``usable_configs`` then drops candidates that break a constraint (the
+``num_stages``, ``ONE_KV_LOOP``, or their ``fwd_``-prefixed forms); a pinned field
+replaces that field in every candidate. ``usable_configs`` then drops candidates that break a constraint (the
 BlockMask's block sizes must be multiples of the tiles; the pipelined K/V tiles must fit
 in shared memory) and raises when a pinned choice itself breaks one.
 
@@ -307,11 +307,6 @@ def candidate_configs(
     if mask_reads_memory:
         configs = [dataclasses.replace(cfg, one_kv_loop=False) for cfg in configs]
     return with_pinned(configs, pinned_fields(kernel_options))
-
-
-def fit_to_sparse_blocks(cfg: ForwardConfig, sparse_q: int, sparse_kv: int) -> ForwardConfig | None:
-    """Shrink the tiles of ``cfg`` (halving) until they divide the BlockMask's blocks."""
-    return fit_tiles(cfg, {"block_m": sparse_q, "block_n": sparse_kv})
 
 
 def usable_configs(

@@ -323,8 +323,8 @@ def widen_for_latency(usable: list[DecodeConfig], programs: int, sms: int, keys_
     """The configs with BLOCK_N widened to LATENCY_BLOCK_N when the call is latency-bound
     (``programs`` <= ``sms``), 16-bit, BLOCK_N is not pinned, LATENCY_BLOCK_N divides the
     BlockMask's KV block and each split keeps MIN_STEPS_PER_SPLIT steps of it."""
-    if ("block_n" in DecodeConfig.pinned_fields(kernel_options) or programs > sms or dtype not in (torch.float16, torch.bfloat16)
-            or sparse_kv % LATENCY_BLOCK_N or keys_per_split < MIN_STEPS_PER_SPLIT * LATENCY_BLOCK_N):
+    if ("block_n" in DecodeConfig.pinned_fields(kernel_options) or programs > sms
+            or dtype not in (torch.float16, torch.bfloat16) or sparse_kv % LATENCY_BLOCK_N or keys_per_split < MIN_STEPS_PER_SPLIT * LATENCY_BLOCK_N):
         return usable
     widened: list[DecodeConfig] = []
     for cfg in usable:

@@ -245,15 +245,15 @@ def _tma_obstacle(node, name: str) -> str | None:
     return None
 
 
-def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str,
+def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_dim_pad: int,
             extra_operands: Sequence[tuple[Any, str]] = ()) -> bool:
     """The USE_TMA constexpr of one call.
 
     kernel_options["USE_TMA"] (default None: automatic) True asks for tensor-descriptor
     loads, False forbids them. Automatic means on for 16-bit inputs on a CUDA GPU with
     the tensor memory accelerator (sm90 and later), for the kernels and head dims where
-    it measured faster (``configs.TMA_DEFAULTS``). Either way
-    the layouts must suit the copy engine (unit head-dim stride, 16-byte aligned base and
+    it measured faster (``configs.TMA_DEFAULTS``, by ``qk_dim_pad``). Either way the
+    layouts must suit the copy engine (unit head-dim stride, 16-byte aligned base and
     strides); a request that cannot be honoured warns and loads through pointers.
     ``extra_operands``: further (node, name) tiles the kernel reads through descriptors
     (the backward's output gradient).
@@ -261,10 +261,8 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str,
     requested = kernel_options.get("USE_TMA")
     if requested is not None and not requested:
         return False
-    if requested is None:
-        qk_pad = next_power_of_two_at_least_16(V.graph.sizevars.guard_int(query.get_size()[-1]))
-        if not cfgs.tma_by_default(kernel, query.get_device(), qk_pad, query.get_dtype()):
-            return False
+    if requested is None and not cfgs.tma_by_default(kernel, query.get_device(), qk_dim_pad, query.get_dtype()):
+        return False
     for node, name in ((query, "query"), (key, "key"), (value, "value"), *extra_operands):
         obstacle = _tma_obstacle(node, name)
         if obstacle is not None:
@@ -316,7 +314,7 @@ def forward_specialisations(
         "FLOAT32_PRECISION": float32_precision(query.get_device(), query.get_dtype(),
                                                bool(kernel_options.get("IEEE_FP32"))),
         "FLOAT64_ACC": query.get_dtype() == torch.float64,
-        "USE_TMA": use_tma(kernel_options, query, key, value, kernel, extra_tma_operands),
+        "USE_TMA": use_tma(kernel_options, query, key, value, kernel, qk_pad, extra_tma_operands),
     }
     spec.update(read_bool_options(kernel_options))
     return spec
