@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import time
 
 import torch
@@ -58,6 +59,17 @@ def candidates(dim: int, exhaustive: bool, dq_atomic: bool = False) -> list[tupl
     return [(*t, w, s) for t, w, s in itertools.product(tiles, warps, stages)]
 
 
+def parse_configs(text: str) -> list[tuple[int, int, int, int, int, int]]:
+    """``64/64/64/64w4s2,...`` as (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)."""
+    configs = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)/(\d+)/(\d+)/(\d+)w(\d+)s(\d+)", item.strip())
+        if match is None:
+            raise SystemExit(f"--configs: expected M1/N1/M2/N2wWsS, e.g. 64/64/64/64w4s2, got {item!r}")
+        configs.append(tuple(int(g) for g in match.groups()))
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dims", default="64,128,256")
@@ -73,7 +85,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
     parser.add_argument("--grid", default="{}", help="JSON: kernel_options key -> list of values, each config "
                         "is timed under every combination")
-    parser.add_argument("--configs", default="", help="only these configs, e.g. 64/64/64/64w4s2,64/128/128/64w8s3")
+    parser.add_argument("--configs", default="", help="these configs instead of the candidate list, e.g. 64/64/64/64w4s2,64/64/128/64w8s2")
     args = parser.parse_args()
     settings = grid_settings(args.grid)
     S, H = args.seq, args.heads
@@ -110,14 +122,13 @@ def main() -> None:
         torch_tflops = flops / ms / 1e9
         print(f"{case} D={dim} B={B}: torch flex {torch_tflops:.0f} TFLOP/s", flush=True)
         rows = []
-        for (m1, n1, m2, n2, w, s), extra in itertools.product(
-                candidates(dim, args.exhaustive, args.dq_atomic == "on"), settings):
+        configs = parse_configs(args.configs) if args.configs else candidates(dim, args.exhaustive,
+                                                                                 args.dq_atomic == "on")
+        for (m1, n1, m2, n2, w, s), extra in itertools.product(configs, settings):
             if time.time() - start > args.budget:
                 print("  budget spent; stopping", flush=True)
                 break
             name = f"{m1}/{n1}/{m2}/{n2} w{w} s{s}"
-            if args.configs and name.replace(" ", "") not in args.configs.split(","):
-                continue
             opts = dict(bwd_BLOCK_M1=m1, bwd_BLOCK_N1=n1, bwd_BLOCK_M2=m2, bwd_BLOCK_N2=n2,
                         bwd_num_warps=w, bwd_num_stages=s, **extra)
             if args.dq_atomic != "default":

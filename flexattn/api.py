@@ -38,6 +38,7 @@ DEFAULT_KERNEL_OPTIONS: dict[str, Any] = {
     "PRESCALE_QK": False,
     "ROWS_GUARANTEED_SAFE": False,
     "BLOCKS_ARE_CONTIGUOUS": False,
+    "REVERSED_Q_TILES": True,
     "OUTPUT_LOGSUMEXP": True,
     "OUTPUT_MAX": False,
 }

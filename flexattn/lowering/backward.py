@@ -370,8 +370,8 @@ def backward_grid(batch, kv_heads, q_len, kv_len, meta, *, cdiv):
 
     program_id(0) below cdiv(kv_len, BLOCK_N1) is a dK/dV program for that key tile; the
     rest are dQ programs, GQA_GROUP_SIZE * cdiv(q_len, BLOCK_M2) of them (query head of
-    the group, query tile), none with DQ_ATOMIC. program_id(1) is the batch index,
-    program_id(2) the KV head.
+    the group, then query tile, last tile first with REVERSED_Q_TILES), none with
+    DQ_ATOMIC. program_id(1) is the batch index, program_id(2) the KV head.
     """
     dq_programs = 0 if meta["DQ_ATOMIC"] else meta["GQA_GROUP_SIZE"] * cdiv(q_len, meta["BLOCK_M2"])
     return cdiv(kv_len, meta["BLOCK_N1"]) + dq_programs, batch, kv_heads

@@ -15,7 +15,7 @@
 
 kernel_options keys read here (besides the tile keys of ``configs.py``):
 OUTPUT_LOGSUMEXP, OUTPUT_MAX (write lse / max_scores; when False their contents are
-unspecified), PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS (see the flags in
+unspecified), PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, REVERSED_Q_TILES (see the flags in
 ``templates/forward.py.jinja``), DEBUG_CONFIG (log the chosen config at WARNING).
 """
 
@@ -54,6 +54,7 @@ BOOL_OPTIONS = {
     "PRESCALE_QK": False,
     "ROWS_GUARANTEED_SAFE": False,
     "BLOCKS_ARE_CONTIGUOUS": False,
+    "REVERSED_Q_TILES": True,
 }
 
 
@@ -61,9 +62,11 @@ BOOL_OPTIONS = {
 def forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv):
     """Launch grid of the forward kernel, from ``call_sizes`` = the query's size.
 
-    program_id(0) covers query rows [pid0 * BLOCK_M, (pid0 + 1) * BLOCK_M) (the last tile
-    may run past Q_LEN and is masked); program_id(1) the batch index; program_id(2) the
-    query head. Each program walks every KV block the BlockMask lists for its rows.
+    program_id(0) covers query rows [t * BLOCK_M, (t + 1) * BLOCK_M) of tile
+    t = cdiv(q_len, BLOCK_M) - 1 - pid0 (t = pid0 without REVERSED_Q_TILES; the last
+    tile may run past Q_LEN and is masked); program_id(1) the batch index;
+    program_id(2) the query head. Each program walks every KV block the BlockMask lists
+    for its rows.
     """
     return (cdiv(q_len, meta["BLOCK_M"]), batch, q_heads)
 
