@@ -38,7 +38,6 @@ DEFAULT_KERNEL_OPTIONS: dict[str, Any] = {
     "PRESCALE_QK": False,
     "ROWS_GUARANTEED_SAFE": False,
     "BLOCKS_ARE_CONTIGUOUS": False,
-    "REVERSED_Q_TILES": True,
     "OUTPUT_LOGSUMEXP": True,
     "OUTPUT_MAX": False,
 }
@@ -49,7 +48,7 @@ TILE_KERNEL_OPTIONS = frozenset({
     "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_warps", "bwd_num_stages",
     "FORCE_USE_FLEX_ATTENTION", "FORCE_DECODE", "SPLIT_KV", "DETERMINISTIC", "USE_TMA",
     "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG", "FAST_TANH", "FUSED_MERGE", "DQ_ATOMIC",
-    "ONE_KV_LOOP", "fwd_ONE_KV_LOOP", "bwd_ONE_KV_LOOP",
+    "ONE_KV_LOOP", "fwd_ONE_KV_LOOP", "bwd_ONE_KV_LOOP", "REVERSED_Q_TILES",
 })
 KNOWN_KERNEL_OPTIONS = frozenset(DEFAULT_KERNEL_OPTIONS) | TILE_KERNEL_OPTIONS
 

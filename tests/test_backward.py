@@ -372,7 +372,8 @@ def test_no_full_blocks():
 @pytest.mark.parametrize("options", [
     {"bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 16},
     {"bwd_num_warps": 2, "bwd_num_stages": 1, "BLOCK_M1": 16},
-], ids=["tiles", "warps_stages"])
+    {"REVERSED_Q_TILES": False, "bwd_BLOCK_M2": 16},
+], ids=["tiles", "warps_stages", "dq_tiles_in_order"])
 def test_backward_kernel_options(options):
     n = scaled(64, 1000)
     run_case(dtype=torch.float16, L=n, S=n, make_mods=_no_buffers(mods.tanh_softcap(4.0), mods.causal_mask),
@@ -461,6 +462,18 @@ def test_backward_tma_and_one_loop_choice(E):
         {"USE_TMA": "True", "ONE_KV_LOOP": "True"}
     torch._dynamo.reset()
     assert _backward_constexprs(E, {"USE_TMA": False}, ("USE_TMA",)) == {"USE_TMA": "False"}
+
+
+def test_reversed_q_tiles_default_per_kernel():
+    """REVERSED_Q_TILES: on in the backward, off in the forward by default
+    (forward.REVERSED_Q_TILES_DEFAULT); a kernel_options value pins both."""
+    names = ("REVERSED_Q_TILES",)
+    assert _backward_constexprs(32, {}, names) == {"REVERSED_Q_TILES": "True"}
+    torch._dynamo.reset()
+    assert _backward_constexprs(32, {"REVERSED_Q_TILES": False}, names) == {"REVERSED_Q_TILES": "False"}
+    from flexattn.lowering.forward import read_bool_options
+    assert not read_bool_options({}, "forward")["REVERSED_Q_TILES"]
+    assert read_bool_options({"REVERSED_Q_TILES": True}, "forward")["REVERSED_Q_TILES"]
 
 
 # --------------------------------------------------------------------------------------

@@ -54,7 +54,6 @@ BOOL_OPTIONS = {
     "PRESCALE_QK": False,
     "ROWS_GUARANTEED_SAFE": False,
     "BLOCKS_ARE_CONTIGUOUS": False,
-    "REVERSED_Q_TILES": True,
 }
 
 
@@ -278,8 +277,19 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_d
     return True
 
 
-def read_bool_options(kernel_options: dict[str, Any]) -> dict[str, bool]:
-    return {key: bool(kernel_options.get(key, default)) for key, default in BOOL_OPTIONS.items()}
+#: Default of kernel_options REVERSED_Q_TILES per kernel (the template flag), measured on
+#: an H200 (bf16, D=128, 4 x 16 heads, tune_forward / tune_backward, three runs each):
+#: the forward lost with it (causal S=8192: 447-461 vs 452-465 TFLOP/s), the backward's
+#: dQ programs gained at S=2048 (fwd+bwd causal 311-315 vs 283-310, no mask 398-408 vs
+#: 394-396) and tied at S=8192 (401 vs 400-404). The decode kernel has no such order.
+REVERSED_Q_TILES_DEFAULT = {"forward": False, "backward": True, "decode": False}
+
+
+def read_bool_options(kernel_options: dict[str, Any], kernel: str = "forward") -> dict[str, bool]:
+    """The boolean kernel_options as template flags for ``kernel``, defaults filled in."""
+    flags = {key: bool(kernel_options.get(key, default)) for key, default in BOOL_OPTIONS.items()}
+    flags["REVERSED_Q_TILES"] = bool(kernel_options.get("REVERSED_Q_TILES", REVERSED_Q_TILES_DEFAULT[kernel]))
+    return flags
 
 
 def forward_specialisations(
@@ -319,7 +329,7 @@ def forward_specialisations(
         "FLOAT64_ACC": query.get_dtype() == torch.float64,
         "USE_TMA": use_tma(kernel_options, query, key, value, kernel, qk_pad, extra_tma_operands),
     }
-    spec.update(read_bool_options(kernel_options))
+    spec.update(read_bool_options(kernel_options, kernel))
     return spec
 
 
