@@ -161,7 +161,7 @@ def test_tma_request_that_cannot_be_honoured_warns():
 
 
 def test_decode_tma_only_on_request():
-    """The decode kernel's descriptor path is off by default (not measured yet) and
+    """The decode kernel's descriptor path is off by default (measured slower) and
     taken when asked for."""
     assert constexpr(compile_and_code(L=1, S=256, options={"FORCE_DECODE": True}), "USE_TMA") == "False"
     torch._dynamo.reset()

@@ -226,7 +226,9 @@ def head_dim_bucket(padded_head_dim: int) -> int:
 #:   backward (fwd+bwd, S=8192) D=128 no mask 424 vs 399, causal 403 vs 372, causal ALiBi
 #:   372 vs 348, GQA 32/8 387 vs 377; but D=64 causal 295 vs 309 and D=256 causal 220
 #:   vs 223, so there the backward keeps pointer loads.
-#:   decode: not measured yet (its descriptor path is taken on request only).
+#:   decode (bench/tune_decode.py, CUDA-graph us, one token, 32 on 8 heads, D=128):
+#:   slower at every point, B=1 KV 8192 12.5 vs 11.7, 32768 39.4 vs 38.4, B=8 8192 75.0
+#:   vs 71.2, 32768 251.8 vs 252.9 (tie), so its descriptor path is taken on request only.
 TMA_DEFAULTS: dict[str, frozenset[tuple[str, int]]] = {
     "forward": frozenset({("sm90", 64), ("sm90", 128), ("sm90", 256)}),
     "backward": frozenset({("sm90", 128)}),
