@@ -61,9 +61,9 @@ BOOL_OPTIONS = {
 def forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv):
     """Launch grid of the forward kernel, from ``call_sizes`` = the query's size.
 
-    program_id(0) covers query rows [t * BLOCK_M, (t + 1) * BLOCK_M) of tile
-    t = cdiv(q_len, BLOCK_M) - 1 - pid0 (t = pid0 without REVERSED_Q_TILES; the last
-    tile may run past Q_LEN and is masked); program_id(1) the batch index;
+    program_id(0) covers query rows [t * BLOCK_M, (t + 1) * BLOCK_M) of tile t = pid0,
+    or t = cdiv(q_len, BLOCK_M) - 1 - pid0 with REVERSED_Q_TILES (the last tile may run
+    past Q_LEN and is masked); program_id(1) the batch index;
     program_id(2) the query head. Each program walks every KV block the BlockMask lists
     for its rows.
     """
