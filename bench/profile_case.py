@@ -51,7 +51,7 @@ def _first_call(step, compile_profile: bool) -> float:
     return elapsed
 
 
-def _kernel_table(step, grads, trace: str) -> list[tuple[str, float, int]]:
+def kernel_table(step, grads, trace: str = "") -> list[tuple[str, float, int]]:
     """(kernel name, microseconds per call, launches per call), longest first; the
     profile also goes to ``trace`` (chrome trace JSON) when given."""
     for _ in range(2):
@@ -143,7 +143,7 @@ def main() -> None:
             first = _first_call(step, args.compile_profile)
             for tensor in grads:
                 tensor.grad = None
-            rows = _kernel_table(step, grads, f"{args.trace}/{name}-{impl}.json" if args.trace else "")
+            rows = kernel_table(step, grads, f"{args.trace}/{name}-{impl}.json" if args.trace else "")
             total = sum(us for _, us, _ in rows)
             times = _timings(step, grads)
             syncs = _synchronizations(step, grads)

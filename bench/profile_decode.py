@@ -1,0 +1,62 @@
+"""Where decoding's time goes: per-kernel GPU time of flexattn's decode beside SDPA's.
+
+    python bench/profile_decode.py [--batches 1,8] [--kv 8192,32768] [--options '{"FUSED_MERGE": true}']
+
+One query token at position S-1 against S cached tokens, 32 query heads on 8 KV heads,
+D=128, bf16, no mask (bench_decode.py's no-mask cases). For each (B, S) it prints, for
+flexattn (default kernel_options, and each ``--options`` set) and for SDPA with
+enable_gqa: the CUDA-graph replay time (as bench_decode reports it) and every kernel of
+one call from torch.profiler: name, microseconds and launches, so that the split-KV pass,
+the merge pass and SDPA's own kernels (their names say which backend SDPA picked) can be
+compared one by one. A diagnosis tool; nothing is written to bench/results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import flexattn
+from _tuning import allow_recompiles
+from profile_case import PROFILED_CALLS, kernel_table
+
+HQ, HKV, D = 32, 8, 128
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--kv", default="8192,32768")
+    parser.add_argument("--options", action="append", default=[],
+                        help="JSON kernel_options for one more flexattn row (repeatable)")
+    args = parser.parse_args()
+    allow_recompiles()
+    ours = torch.compile(flexattn.flex_attention, fullgraph=True)
+    variants = [("flexattn", {})] + [(f"flexattn {text}", json.loads(text)) for text in args.options]
+    summary = []
+    for B, S in itertools.product((int(b) for b in args.batches.split(",")), (int(s) for s in args.kv.split(","))):
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        calls = [(name, lambda opts=opts: ours(q, k, v, kernel_options=opts, enable_gqa=True)) for name, opts in variants]
+        calls.append(("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
+        for name, call in calls:
+            call()
+            graph_us = 1e3 * triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
+            rows = kernel_table(call, [])
+            print(f"===== B={B} S={S} {name}: CUDA graph {graph_us:.1f} us; kernels per call "
+                  f"(over {PROFILED_CALLS} calls):", flush=True)
+            for kernel, us, launches in rows:
+                print(f"  {us:8.1f} us  x{launches}  {kernel[:120]}")
+            summary.append(f"| {B} | {S} | {name} | {graph_us:.1f} | "
+                           + "; ".join(f"{kernel[:48]} {us:.1f}" for kernel, us, _ in rows[:3]) + " |")
+    print("\n| B | KV | impl | CUDA-graph us | kernels (us) |\n|---|---|---|---|---|")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
