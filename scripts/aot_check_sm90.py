@@ -11,13 +11,15 @@ image's Triton shows (e.g. Triton 3.6's loop scheduler) can be found here:
 
 Every pointer argument gets 16-byte divisibility, as CUDA allocations do. With
 --ptxas, each kernel's PTX also goes through Triton's bundled ptxas (-arch=sm_90a -v),
-which prints its registers and spill bytes per thread.
+which prints its registers and spill bytes per thread. With AOT_PTX_DIR set, each
+kernel's PTX is written there too (<file>.<kernel>.ptx).
 """
 import os, sys, re, subprocess, tempfile, importlib.util
 import triton
 from triton.backends.compiler import GPUTarget
 print("triton", triton.__version__)
 PTXAS = "--ptxas" in sys.argv[1:]
+PTX_DIR = os.environ.get("AOT_PTX_DIR", "")
 
 
 def ptxas_usage(ptx: str) -> str:
@@ -54,6 +56,9 @@ for path in (a for a in sys.argv[1:] if a != "--ptxas"):
         try:
             k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
             usage = ptxas_usage(k.asm["ptx"]) if PTXAS else ""
+            if PTX_DIR:
+                with open(os.path.join(PTX_DIR, f"{os.path.basename(path)}.{name}.ptx"), "w") as f:
+                    f.write(k.asm["ptx"])
             print("OK  ", path, name, warps, stages, "shared", k.metadata.shared, usage)
         except Exception as e:
             print("FAIL", path, name, warps, stages, " | ".join(l for l in str(e).splitlines() if l.strip())[-600:])

@@ -186,6 +186,19 @@ def test_fast_tanh_choice(monkeypatch):
         subgraph.use_fast_tanh({"FAST_TANH": True}, torch.bfloat16, cpu)
 
 
+def test_exp2_split_option():
+    """EXP2_SPLIT: off by default, on when asked, refused for float64 and non-bools."""
+    from flexattn.lowering.forward import exp2_split
+    assert constexpr(compile_and_code(), "EXP2_SPLIT") == "False"
+    torch._dynamo.reset()
+    assert constexpr(compile_and_code(options={"EXP2_SPLIT": True}), "EXP2_SPLIT") == "True"
+    assert exp2_split({"EXP2_SPLIT": True}, torch.float32)
+    with pytest.raises(ValueError, match="EXP2_SPLIT=True needs float16, bfloat16 or float32 inputs.*float64"):
+        exp2_split({"EXP2_SPLIT": True}, torch.float64)
+    with pytest.raises(ValueError, match="EXP2_SPLIT must be True or False, got 1"):
+        exp2_split({"EXP2_SPLIT": 1}, torch.float16)
+
+
 HARDWARE_TANH = "tanh.approx.f32"
 
 

@@ -210,6 +210,19 @@ def float32_precision(device: torch.device, dtype: torch.dtype, force_ieee: bool
     return "'ieee'"
 
 
+def exp2_split(kernel_options: dict[str, Any], dtype: torch.dtype) -> bool:
+    """kernel_options["EXP2_SPLIT"] (default False): the forward's softmax computes half
+    of its exponentials with a polynomial on the FMA pipes (templates' exp2_split,
+    relative error 1.0e-4). Refused for float64 inputs, whose kernel computes in float64."""
+    value = kernel_options.get("EXP2_SPLIT", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"flexattn: kernel_options EXP2_SPLIT must be True or False, got {value!r}")
+    if value and dtype == torch.float64:
+        raise ValueError("flexattn: kernel_options EXP2_SPLIT=True needs float16, bfloat16 or float32 inputs "
+                         "(its polynomial exp2 works on float32 bits), got float64")
+    return value
+
+
 #: torch's kernel_options that flexattn accepts (a drop-in call keeps working) but whose
 #: effect its kernels do not have; setting one to a non-default value warns at compile.
 _INERT_OPTIONS = {
@@ -328,6 +341,7 @@ def forward_specialisations(
                                                bool(kernel_options.get("IEEE_FP32"))),
         "FLOAT64_ACC": query.get_dtype() == torch.float64,
         "USE_TMA": use_tma(kernel_options, query, key, value, kernel, qk_pad, extra_tma_operands),
+        "EXP2_SPLIT": exp2_split(kernel_options, query.get_dtype()),
     }
     spec.update(read_bool_options(kernel_options, kernel))
     return spec
