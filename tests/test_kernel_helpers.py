@@ -1,7 +1,8 @@
 """The shared Triton helpers of templates/common.py.jinja on their own, element by
 element against float64 (on CPU through the Triton interpreter): exp2_fma, the
-polynomial exp2 of the forward's EXP2_SPLIT, and exp2_split, which must put each column
-back where it came from."""
+polynomial exp2 of kernel_options EXP2_SPLIT (the softmax's exponents, slightly
+positive ones included; -inf and NaN), and exp2_split, which must put each column back
+where it came from."""
 
 from __future__ import annotations
 
@@ -62,14 +63,19 @@ def test_exp2_fma_and_split(helpers):
     gen = torch.Generator().manual_seed(0)
     x = -torch.rand(rows, cols, generator=gen, dtype=torch.float64) * 40
     # The edges: 0, integers and half-integers (the rounding points), the underflow
-    # clamp and beyond, -inf (a masked score).
+    # clamp and beyond, -inf (a masked score) and NaN in an even and an odd column, small
+    # positive exponents (the backward's s - lse after rounding).
     edges = torch.tensor([0.0, -0.5, -1.0, -1.5, -2.4999, -2.5, -10.0, -100.0, -126.0, -126.9, -127.0,
-                          -130.0, -1e30, float("-inf"), float("-inf")], dtype=torch.float64)
+                          -130.0, -1e30, float("-inf"), float("-inf"), 1e-6, 0.75, float("nan"), float("nan")],
+                         dtype=torch.float64)
     x.view(-1)[: edges.numel()] = edges
     x32 = x.to(torch.float32).to(DEVICE)
     fma_out, split_out = (t.cpu().double() for t in _run(helpers, x32, rows, cols))
     exact = torch.exp2(x32.cpu().double())
 
+    nan = torch.isnan(x)
+    assert torch.isnan(fma_out[nan]).all() and torch.isnan(split_out[nan]).all()
+    fma_out, split_out, exact = (t.masked_fill(nan, 1.0) for t in (fma_out, split_out, exact))
     normal = exact >= 2.0 ** -126
     rel = ((fma_out - exact).abs() / exact)[normal]
     assert rel.max().item() <= EXP2_FMA_REL_ERR, rel.max().item()
@@ -77,7 +83,7 @@ def test_exp2_fma_and_split(helpers):
     # at and past the clamp, as a masked score must be.
     assert (fma_out[~normal].abs() <= 2.0 ** -126).all()
     assert (fma_out[x <= -127.0] == 0).all()
-    assert not torch.isnan(fma_out).any()
+    assert not torch.isnan(fma_out).any()  # NaN only where x is NaN (filled above)
 
     # exp2_split: even columns the full-precision exp2 (closer than the polynomial
     # gets), odd columns exactly exp2_fma's values.

@@ -211,9 +211,10 @@ def float32_precision(device: torch.device, dtype: torch.dtype, force_ieee: bool
 
 
 def exp2_split(kernel_options: dict[str, Any], dtype: torch.dtype) -> bool:
-    """kernel_options["EXP2_SPLIT"] (default False): the forward's softmax computes half
-    of its exponentials with a polynomial on the FMA pipes (templates' exp2_split,
-    relative error 1.0e-4). Refused for float64 inputs, whose kernel computes in float64."""
+    """kernel_options["EXP2_SPLIT"] (default False): the forward's softmax and the
+    backward's recomputed probabilities take half of their exponentials from a
+    polynomial on the FMA pipes (templates' exp2_split, relative error 1.0e-4). Refused
+    for float64 inputs, whose kernels compute in float64."""
     value = kernel_options.get("EXP2_SPLIT", False)
     if not isinstance(value, bool):
         raise ValueError(f"flexattn: kernel_options EXP2_SPLIT must be True or False, got {value!r}")
