@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import time
 
 import torch
@@ -48,6 +49,18 @@ def candidates(dim: int) -> list[dict]:
     return out
 
 
+def parse_configs(text: str) -> list[dict]:
+    """``128x64w4s2,...`` as kernel_options dicts (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    configs = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", item.strip())
+        if match is None:
+            raise SystemExit(f"--configs: expected MxNwWsS, e.g. 128x64w4s2, got {item!r}")
+        m, n, w, s = (int(g) for g in match.groups())
+        configs.append(dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s))
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", default="no_mask,causal")
@@ -59,7 +72,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
     parser.add_argument("--grid", default="{}", help="JSON: kernel_options key -> list of values, each config "
                         "is timed under every combination")
-    parser.add_argument("--configs", default="", help="only these configs, e.g. 128x64w4s2,128x128w8s3")
+    parser.add_argument("--configs", default="", help="these configs instead of the candidate list, e.g. 128x64w4s2,128x128w8s3")
     args = parser.parse_args()
     settings = grid_settings(args.grid)
     S, H = args.seq, args.heads
@@ -81,13 +94,12 @@ def main() -> None:
             torch_tflops = flops / ms / 1e9
             print(f"{case} D={dim}: torch flex {torch_tflops:.0f} TFLOP/s", flush=True)
             results = []
-            for cfg, extra in itertools.product(candidates(dim), settings):
+            configs = parse_configs(args.configs) if args.configs else candidates(dim)
+            for cfg, extra in itertools.product(configs, settings):
                 if time.time() - start > args.budget:
                     print("  budget spent; stopping", flush=True)
                     break
                 name = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
-                if args.configs and name.replace(" ", "") not in args.configs.split(","):
-                    continue
                 cfg = dict(cfg, **extra)
                 name += "".join(f" {key}={value}" for key, value in extra.items())
                 try:
