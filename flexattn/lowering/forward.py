@@ -15,8 +15,9 @@
 
 kernel_options keys read here (besides the tile keys of ``configs.py``):
 OUTPUT_LOGSUMEXP, OUTPUT_MAX (write lse / max_scores; when False their contents are
-unspecified), PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS, REVERSED_Q_TILES (see the flags in
-``templates/forward.py.jinja``), DEBUG_CONFIG (log the chosen config at WARNING).
+unspecified), PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS,
+REVERSED_Q_TILES, EXP2_SPLIT (see the flags in ``templates/forward.py.jinja``),
+DEBUG_CONFIG (log the chosen config at WARNING).
 """
 
 from __future__ import annotations
