@@ -81,7 +81,7 @@ def _golden(x):
 def run_case(
     *, dtype=torch.float16, B=2, Hq=4, Hkv=2, Bkv=None, L=1, S=129, E=32, Ev=None,
     score_mod=None, mask_mod=None, block_mask=None, block_size=128, mask_heads=None,
-    options=None, make_inputs=None, seed=0, with_code=False,
+    options=None, make_inputs=None, seed=0, with_code=False, scale=None,
 ):
     """Build inputs, run golden / reference / compiled, check the 3-way bound.
 
@@ -102,7 +102,7 @@ def run_case(
     if block_mask is None:
         block_mask = create_block_mask(mask_mod or noop_mask, B, mask_heads, L, S, device=DEVICE,
                                        BLOCK_SIZE=block_size).as_tuple()
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
 
     golden = dense_flex_attention(_golden(q), _golden(k), _golden(v), score_mod, block_mask, scale,
                                   options, (), ())
@@ -186,6 +186,13 @@ KV_LENGTHS = [1, 17, 129, 1000] + ([4097, 32768] if ON_CUDA else [])
 def test_kv_lengths(S):
     L = 1
     run_case(B=scaled(1, 4), Hq=8, Hkv=2, L=L, S=S, mask_mod=causal_at(_offset(L, S)), seed=S)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3], ids=["zero", "negative"])
+def test_zero_and_negative_scales(scale):
+    """The decode kernel takes the row max before a positive scale only (as the forward)."""
+    L, S = 2, scaled(150, 1500)
+    run_case(B=2, Hq=4, Hkv=2, L=L, S=S, mask_mod=causal_at(_offset(L, S)), scale=scale, seed=3)
 
 
 def test_kv_length_not_a_multiple_no_mask():

@@ -68,9 +68,10 @@ def _to_golden(x):
 def run_case(
     *, dtype, B=2, Hq=2, Hkv=None, Bkv=None, L=64, S=64, E=32, Ev=None,
     score_mod=None, mask_mod=None, block_size=128, options=None, make_inputs=None,
-    block_mask_tuple=None, seed=0,
+    block_mask_tuple=None, seed=0, scale=None,
 ):
-    """Build inputs, run golden / reference / compiled, check the 3-way bound."""
+    """Build inputs, run golden / reference / compiled, check the 3-way bound (scale:
+    the softmax scale, 1/sqrt(E) by default)."""
     Hkv = Hkv or Hq
     Bkv = Bkv or B
     Ev = Ev or E
@@ -88,7 +89,7 @@ def run_case(
         bm = create_block_mask(mask_mod or noop_mask, None, None, L, S, device=DEVICE,
                                BLOCK_SIZE=block_size)
         block_mask_tuple = bm.as_tuple()
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
 
     golden = dense_flex_attention(_to_golden(q), _to_golden(k), _to_golden(v), score_mod,
                                   block_mask_tuple, scale, options, (), ())
@@ -275,6 +276,17 @@ def test_tma_loads_at_the_edges(use_tma, L, S, E, Ev, Hq, Hkv):
     run_case(dtype=torch.float16, L=L * n, S=S * n, E=E, Ev=Ev, Hq=Hq, Hkv=Hkv, block_size=64,
              score_mod=mods.alibi(Hq, device=DEVICE), mask_mod=mods.causal_mask,
              options={"USE_TMA": use_tma})
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3], ids=["zero", "negative"])
+@pytest.mark.parametrize("options", [{}, {"PRESCALE_QK": True}], ids=["plain", "prescaled"])
+@pytest.mark.parametrize("with_score_mod", [False, True], ids=["no_score_mod", "score_mod"])
+def test_zero_and_negative_scales(scale, options, with_score_mod):
+    """A scale <= 0 is a valid softmax (uniform, or favouring the smallest products); the
+    kernel may not take the row max before scaling then, and masked scores stay -inf."""
+    n = scaled(70, 700)
+    run_case(dtype=torch.float16, L=n, S=n, scale=scale, mask_mod=mods.causal_mask, options=options,
+             score_mod=mods.tanh_softcap(20.0) if with_score_mod else None, block_size=32)
 
 
 def test_prescale_without_score_mod():
