@@ -1,6 +1,7 @@
 """Sweep the decode kernel's configurations on the GPU, beside SDPA.
 
     python bench/tune_decode.py [--batches 1,8] [--kv 8192,32768] [--budget S]
+                                [--splits auto,16,32,64] [--tiles 64x4,128x4,128x8] [--stages 3,4]
                                 [--grid '{"USE_TMA": [true, false]}']
 
 One query token at position S-1 against a KV cache of S tokens, 32 query heads on 8 KV
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--kv", default="8192,32768")
     parser.add_argument("--splits", default="auto,16,32,64")
+    parser.add_argument("--tiles", default="64x4,128x4,128x8", help="BLOCK_N x num_warps pairs")
+    parser.add_argument("--stages", default="3,4")
     parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
     parser.add_argument("--grid", default="{}", help="JSON: kernel_options key -> list of values, each config "
                         "is timed under every combination")
@@ -59,8 +62,9 @@ def main() -> None:
                     f"{sdpa_ms / ms:.2f} |")
             summary.append(line)
             print(line, flush=True)
-        for split, (bn, w), st, extra in itertools.product(args.splits.split(","), ((64, 4), (128, 4), (128, 8)),
-                                                           (3, 4), settings):
+        tiles = [tuple(int(x) for x in tile.split("x")) for tile in args.tiles.split(",")]
+        stages = [int(st) for st in args.stages.split(",")]
+        for split, (bn, w), st, extra in itertools.product(args.splits.split(","), tiles, stages, settings):
             if time.time() - start > args.budget:
                 break
             opts = dict(BLOCK_N=bn, num_warps=w, num_stages=st, **extra)

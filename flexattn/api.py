@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import _compat
 from ._hop import flex_attention_hop, identity_score_mod
-from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, noop_mask
+from .block_mask import DEFAULT_BLOCK_SIZE, DEFAULT_MASK_KEY, BlockMask, _required_positional_count, noop_mask
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -49,7 +49,6 @@ TILE_KERNEL_OPTIONS = frozenset({
     "FORCE_USE_FLEX_ATTENTION", "FORCE_DECODE", "SPLIT_KV", "DETERMINISTIC", "USE_TMA",
     "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG", "FAST_TANH", "FUSED_MERGE", "DQ_ATOMIC",
     "ONE_KV_LOOP", "fwd_ONE_KV_LOOP", "bwd_ONE_KV_LOOP", "REVERSED_Q_TILES",
-    "EXP2_SPLIT",
 })
 KNOWN_KERNEL_OPTIONS = frozenset(DEFAULT_KERNEL_OPTIONS) | TILE_KERNEL_OPTIONS
 
@@ -300,7 +299,8 @@ def flex_attention(
     if score_mod is None:
         score_mod = identity_score_mod
     _check_mod("score_mod", score_mod, 5, "(score, b, h, q_idx, kv_idx)")
-    if block_mask is None:
+    default_mask = block_mask is None
+    if default_mask:
         block_mask = _full_block_mask(query, key)
     block_mask = _check_block_mask(block_mask, query, key)
     _check_mod("block_mask.mask_mod", block_mask.mask_mod, 4, "(b, h, q_idx, kv_idx)")
@@ -320,6 +320,8 @@ def flex_attention(
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse or needs_grad)
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
     options[CODE_VERSION_KEY] = CODE_VERSION
+    if default_mask:
+        options[DEFAULT_MASK_KEY] = True
 
     args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)
     if torch.compiler.is_compiling():

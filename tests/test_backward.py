@@ -373,8 +373,7 @@ def test_no_full_blocks():
     {"bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 16},
     {"bwd_num_warps": 2, "bwd_num_stages": 1, "BLOCK_M1": 16},
     {"REVERSED_Q_TILES": False, "bwd_BLOCK_M2": 16},
-    {"EXP2_SPLIT": True},
-], ids=["tiles", "warps_stages", "dq_tiles_in_order", "exp2_split"])
+], ids=["tiles", "warps_stages", "dq_tiles_in_order"])
 def test_backward_kernel_options(options):
     n = scaled(64, 1000)
     run_case(dtype=torch.float16, L=n, S=n, make_mods=_no_buffers(mods.tanh_softcap(4.0), mods.causal_mask),

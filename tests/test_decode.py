@@ -37,9 +37,10 @@ import flexattn
 import flexattn.lowering
 from flexattn import _compat, mods
 from flexattn._hop import dense_flex_attention, flex_attention_hop
-from flexattn.block_mask import create_block_mask, noop_mask
+from flexattn.block_mask import DEFAULT_MASK_KEY, create_block_mask, noop_mask
 from flexattn.lowering import decode as dec
 
+from _generated_code import constexpr
 from _numerics import assert_attention_outputs_close
 from conftest import DEVICE
 
@@ -197,6 +198,29 @@ def test_zero_and_negative_scales(scale):
 
 def test_kv_length_not_a_multiple_no_mask():
     run_case(B=2, Hq=4, Hkv=4, L=2, S=scaled(333, 3333), seed=5)
+
+
+@pytest.mark.parametrize("merge", sorted(MERGES))
+@pytest.mark.parametrize("S,L,group,split", [(129, 1, 4, None), (333, 3, 2, 5), (1000, 1, 8, 3), (256, 16, 1, None)],
+                         ids=str)
+def test_dense_kv_default_mask(S, L, group, split, merge):
+    """flex_attention's own default mask (DEFAULT_MASK_KEY): the kernel walks every KV
+    position without the BlockMask tables (DENSE_KV), at odd lengths, with splits that
+    leave shares empty, and with a score_mod."""
+    options = {**MERGES[merge], DEFAULT_MASK_KEY: True, **({"SPLIT_KV": split} if split else {})}
+    _, _, code = run_case(B=2, Hq=2 * group, Hkv=2, L=L, S=S, score_mod=mods.tanh_softcap(3.0),
+                          options=options, seed=S + L, with_code=True)
+    assert constexpr(code, "DENSE_KV") == "True"
+    assert "KV_IDX" not in code
+
+
+def test_dense_kv_public_api():
+    """block_mask=None through the public API under torch.compile: the default mask's
+    tables are not computed (the decode kernel and the merge pass are the only kernels)."""
+    code = _code_for(1, scaled(300, 3000), {"FUSED_MERGE": False})
+    assert constexpr(code, "DENSE_KV") == "True"
+    launches = re.findall(r"(triton_\w+)\.run\(", code.split("def call(", 1)[1])
+    assert len(launches) == 2 and all(name.startswith("triton_tem_") for name in launches), launches
 
 
 # --------------------------------------------------------------------------------------

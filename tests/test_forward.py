@@ -259,7 +259,6 @@ def test_data_dependent_captures():
     {"ONE_KV_LOOP": False},
     {"ONE_KV_LOOP": True, "USE_TMA": True, "BLOCK_N": 32},
     {"REVERSED_Q_TILES": True, "BLOCK_M": 32},
-    {"EXP2_SPLIT": True},
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_kernel_options(options):
     n = scaled(100, 1000)

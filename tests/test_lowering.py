@@ -16,6 +16,7 @@ from flexattn._hop import dense_flex_attention, flex_attention_hop
 from flexattn.block_mask import create_block_mask, noop_mask
 from flexattn.lowering import configs as cfgs
 
+from _generated_code import constexpr
 from _numerics import assert_close_3way
 from conftest import DEVICE
 
@@ -53,12 +54,6 @@ def compile_and_code(L=64, S=64, E=32, Ev=None, Hq=2, Hkv=2, score_mod=None, mas
                                   E ** -0.5, opts, (), ())
     assert_close_3way("out", out[0], ref[0], golden[0], dtype)
     return "\n".join(code)
-
-
-def constexpr(code: str, name: str) -> str:
-    marker = f"{name} : tl.constexpr = "
-    assert marker in code, f"{name} not defined in the kernel"
-    return code.split(marker, 1)[1].split("\n", 1)[0].strip()
 
 
 def test_graph_contains_the_template_kernel():
@@ -184,19 +179,6 @@ def test_fast_tanh_choice(monkeypatch):
         subgraph.use_fast_tanh({"FAST_TANH": True}, torch.float64, cuda)
     with pytest.raises(ValueError, match="FAST_TANH=True needs an NVIDIA GPU.*on cpu"):
         subgraph.use_fast_tanh({"FAST_TANH": True}, torch.bfloat16, cpu)
-
-
-def test_exp2_split_option():
-    """EXP2_SPLIT: off by default, on when asked, refused for float64 and non-bools."""
-    from flexattn.lowering.forward import exp2_split
-    assert constexpr(compile_and_code(), "EXP2_SPLIT") == "False"
-    torch._dynamo.reset()
-    assert constexpr(compile_and_code(options={"EXP2_SPLIT": True}), "EXP2_SPLIT") == "True"
-    assert exp2_split({"EXP2_SPLIT": True}, torch.float32)
-    with pytest.raises(ValueError, match="EXP2_SPLIT=True needs float16, bfloat16 or float32 inputs.*float64"):
-        exp2_split({"EXP2_SPLIT": True}, torch.float64)
-    with pytest.raises(ValueError, match="EXP2_SPLIT must be True or False, got 1"):
-        exp2_split({"EXP2_SPLIT": 1}, torch.float16)
 
 
 HARDWARE_TANH = "tanh.approx.f32"

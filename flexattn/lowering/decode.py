@@ -39,7 +39,12 @@ only affects speed, every choice is correct for every size):
   ``num_warps`` and ``num_stages`` (the keys the forward kernel reads too) pin them.
   ``BLOCK_M`` and the ``fwd_*`` keys tile the main kernel only: the decode tile's rows
   follow from the packing;
-* the merge (``fused_merge``): ``kernel_options["FUSED_MERGE"]`` as above.
+* the merge (``fused_merge``): ``kernel_options["FUSED_MERGE"]`` as above;
+* DENSE_KV: when flex_attention built the default mask itself (``block_mask=None``;
+  ``block_mask.DEFAULT_MASK_KEY`` in kernel_options), the kernel takes no BlockMask
+  tables and walks every KV position in order: no table loads in the loop, and no
+  kernel in the compiled graph to compute the tables (a decode step is a few
+  microseconds; that kernel and its launch were about one of them).
 
 The chosen configuration is logged on the ``flexattn.lowering`` logger like the
 forward's (at INFO; WARNING with DEBUG_CONFIG).
@@ -63,6 +68,7 @@ from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv
 
 from .. import _compat
+from ..block_mask import DEFAULT_MASK_KEY
 from ..templates import kernel_source, read_template
 from . import configs as cfgs
 from .forward import (
@@ -396,9 +402,12 @@ def lower_to_decode_template(
             workspace = _compat.graph_zeroed_workspace(
                 tiles, device, f"{COUNTERS_WORKSPACE}_{device.type}_{device.index or 0}", COUNTERS_ARG, torch.int32)
 
-    # The order of decode.py.jinja's def_kernel.
-    input_nodes = [query, key, value, *buffers, call.kv_num_blocks, call.kv_indices,
-                   call.full_kv_num_blocks, call.full_kv_indices]
+    # The order of decode.py.jinja's def_kernel; flex_attention's own default mask (every
+    # block full, in order) needs no tables (DENSE_KV).
+    dense_kv = bool(kernel_options.get(DEFAULT_MASK_KEY, False))
+    mask_tables = [] if dense_kv else [call.kv_num_blocks, call.kv_indices, call.full_kv_num_blocks,
+                                       call.full_kv_indices]
+    input_nodes = [query, key, value, *buffers, *mask_tables]
     known = sizevars.statically_known_true
     shared = {
         **spec,
@@ -409,6 +418,7 @@ def lower_to_decode_template(
         "SPLIT_KV": split_kv,
         "SPLIT_KV_PAD": _next_power_of_two(split_kv),
         "FUSED_MERGE": fused,
+        "DENSE_KV": dense_kv,
         "IS_DIVISIBLE_N": known(sympy.Eq(sympy.Mod(S, call.sparse_kv), 0)),
     }
     choices, config_of_choice = template_choices(
@@ -424,7 +434,9 @@ def lower_to_decode_template(
 
     captured = [b for b in (*call.score_mod_buffers, *call.mask_mod_buffers) if isinstance(b, ir.IRNode)]
     n = 3 + len(buffers)   # the index of KV_NUM_BLKS
-    if call.has_full_blocks:
+    if dense_kv:
+        input_gen_fns = None
+    elif call.has_full_blocks:
         input_gen_fns = {n: _benchmark_block_counts(call.kv_indices, 0.5), n + 1: _benchmark_block_indices,
                          n + 2: _benchmark_block_counts(call.full_kv_indices, 0.5), n + 3: _benchmark_full_block_indices}
     else:

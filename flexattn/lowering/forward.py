@@ -16,7 +16,7 @@
 kernel_options keys read here (besides the tile keys of ``configs.py``):
 OUTPUT_LOGSUMEXP, OUTPUT_MAX (write lse / max_scores; when False their contents are
 unspecified), PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS,
-REVERSED_Q_TILES, EXP2_SPLIT (see the flags in ``templates/forward.py.jinja``),
+REVERSED_Q_TILES (see the flags in ``templates/forward.py.jinja``),
 DEBUG_CONFIG (log the chosen config at WARNING).
 """
 
@@ -211,20 +211,6 @@ def float32_precision(device: torch.device, dtype: torch.dtype, force_ieee: bool
     return "'ieee'"
 
 
-def exp2_split(kernel_options: dict[str, Any], dtype: torch.dtype) -> bool:
-    """kernel_options["EXP2_SPLIT"] (default False): the forward's softmax and the
-    backward's recomputed probabilities take half of their exponentials from a
-    polynomial on the FMA pipes (templates' exp2_split, relative error 1.0e-4). Refused
-    for float64 inputs, whose kernels compute in float64."""
-    value = kernel_options.get("EXP2_SPLIT", False)
-    if not isinstance(value, bool):
-        raise ValueError(f"flexattn: kernel_options EXP2_SPLIT must be True or False, got {value!r}")
-    if value and dtype == torch.float64:
-        raise ValueError("flexattn: kernel_options EXP2_SPLIT=True needs float16, bfloat16 or float32 inputs "
-                         "(its polynomial exp2 works on float32 bits), got float64")
-    return value
-
-
 #: torch's kernel_options that flexattn accepts (a drop-in call keeps working) but whose
 #: effect its kernels do not have; setting one to a non-default value warns at compile.
 _INERT_OPTIONS = {
@@ -343,7 +329,6 @@ def forward_specialisations(
                                                bool(kernel_options.get("IEEE_FP32"))),
         "FLOAT64_ACC": query.get_dtype() == torch.float64,
         "USE_TMA": use_tma(kernel_options, query, key, value, kernel, qk_pad, extra_tma_operands),
-        "EXP2_SPLIT": exp2_split(kernel_options, query.get_dtype()),
     }
     spec.update(read_bool_options(kernel_options, kernel))
     return spec
