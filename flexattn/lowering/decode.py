@@ -98,9 +98,12 @@ MAX_TILE_ROWS = 64
 #: Programs wanted per multiprocessor (H200 sweep, bench/tune_decode.py: at B=1 one
 #: program per SM, 16 splits of 8 KV heads, took 13.3 us at KV 8k where 4 per SM took 18).
 PROGRAMS_PER_SM = 1
-#: Splits at least, when a row has the steps: at B=8 (64 programs) 16 splits beat the
-#: 2-3 that filling the SMs once needs (73.9 vs 75.7 us at KV 8k; 253 vs 263 at 32k).
-MIN_SPLIT_KV = 16
+#: Splits at least, when a row has the steps. H200, B=8 (64 tiles), KV 8k / 32k, BLOCK_N
+#: 64, CUDA-graph us (bench/tune_decode.py): 4 splits 64.9 / 238.4, 8 splits 65.0 / 238.5
+#: (2 stages), 16 splits 68.6 / 267.5, against SDPA's 64.8 / 237.9, once the default
+#: mask's walk read no tables (DENSE_KV); with the tables 16 had beaten 2-3 (73.9 vs 75.7
+#: us at 8k, 253 vs 263 at 32k).
+MIN_SPLIT_KV = 4
 #: KV step of a latency-bound call (no more programs than multiprocessors): wider steps
 #: put more bytes in flight per program (B=1 KV 32k: 40 us with 128, 49 with 64).
 LATENCY_BLOCK_N = 128
