@@ -18,14 +18,16 @@ import flexattn
 from flexattn import mods
 from flexattn._hop import MutatingModError, flex_attention_hop
 
+from conftest import DEVICE
+
 F32 = torch.float32
 
 
-def _qkv(B=2, H=4, L=32, S=40, E=16, requires_grad=False, Hkv=None):
+def _qkv(B=2, H=4, L=32, S=40, E=16, requires_grad=False, Hkv=None, device="cpu"):
     Hkv = Hkv or H
-    q = torch.randn(B, H, L, E, requires_grad=requires_grad)
-    k = torch.randn(B, Hkv, S, E, requires_grad=requires_grad)
-    v = torch.randn(B, Hkv, S, E, requires_grad=requires_grad)
+    q = torch.randn(B, H, L, E, requires_grad=requires_grad, device=device)
+    k = torch.randn(B, Hkv, S, E, requires_grad=requires_grad, device=device)
+    v = torch.randn(B, Hkv, S, E, requires_grad=requires_grad, device=device)
     return q, k, v
 
 
@@ -61,21 +63,23 @@ def test_make_fx_traces_mods_into_subgraphs():
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_compile_one_frame_several_calls(backend):
-    """Closures over tensors, Python scalars and other mods; and/or masks; one frame."""
+    """Closures over tensors, Python scalars and other mods; and/or masks; one frame. On
+    the test device: on CUDA, Inductor compiles the fused kernels (CPU tensors there
+    would take the dense path through Inductor's C++ backend, minutes of compiling)."""
     B, H, L, S, E = 2, 4, 48, 48, 16
-    q, k, v = _qkv(B, H, L, S, E, requires_grad=True, Hkv=2)
-    table = torch.randn(H, 2 * S - 1, requires_grad=True)
-    doc_ids = torch.sort(torch.randint(0, 3, (S,))).values
+    q, k, v = _qkv(B, H, L, S, E, requires_grad=True, Hkv=2, device=DEVICE)
+    table = torch.randn(H, 2 * S - 1, requires_grad=True, device=DEVICE)
+    doc_ids = torch.sort(torch.randint(0, 3, (S,), device=DEVICE)).values
     softcap = mods.tanh_softcap(20.0)
     offset = 3
 
     def composed(score, b, h, qi, ki):
         return softcap(score, b, h, qi, ki) + offset * 0.01 * (qi - ki)
 
-    bm_causal = flexattn.create_block_mask(mods.causal_mask, None, None, L, S, device="cpu", BLOCK_SIZE=16)
+    bm_causal = flexattn.create_block_mask(mods.causal_mask, None, None, L, S, device=DEVICE, BLOCK_SIZE=16)
     bm_doc = flexattn.create_block_mask(
         flexattn.and_masks(mods.document_mask(doc_ids), flexattn.or_masks(mods.causal_mask, mods.prefix_lm(5))),
-        B, None, L, S, device="cpu", BLOCK_SIZE=16,
+        B, None, L, S, device=DEVICE, BLOCK_SIZE=16,
     )
 
     def model(q, k, v):
