@@ -1,7 +1,8 @@
 """Lint of the rendered templates: the Triton code Inductor generates from each flexattn
 template (forward, backward with captured-tensor gradients, decode and its merge) passes
 pyflakes, apart from what every Inductor kernel carries. The decode kernel is checked in
-its three forms: one launch with the merge fused, two launches, and one share.
+its three forms: one launch with the merge fused, two launches, and one share; and
+without BlockMask tables (flex_attention's default mask).
 
 Allowed: unused imports (Inductor's kernel header) and unused local assignments (every
 function of a template gets all the kernel's constexprs from ``gen_defines()``, and an
@@ -84,15 +85,17 @@ def test_forward_and_backward_kernels_lint_clean():
     _assert_clean(_template_kernels(step, q, k, v), expect_at_least=2)
 
 
-@pytest.mark.parametrize("options,kernels", [
-    ({"FUSED_MERGE": True}, 1),                  # one launch: the last share merges
-    ({}, 2),                                     # default: the split-KV pass and the merge pass
-    ({"SPLIT_KV": 1}, 1),                        # one share: the output written directly
-], ids=["fused_merge", "merge_pass", "split_kv_1"])
-def test_decode_kernels_lint_clean(options, kernels):
+@pytest.mark.parametrize("options,kernels,default_mask", [
+    ({"FUSED_MERGE": True}, 1, False),           # one launch: the last share merges
+    ({}, 2, False),                              # default: the split-KV pass and the merge pass
+    ({"SPLIT_KV": 1}, 1, False),                 # one share: the output written directly
+    ({}, 2, True),                               # block_mask=None: no BlockMask tables (DENSE_KV)
+], ids=["fused_merge", "merge_pass", "split_kv_1", "dense_kv"])
+def test_decode_kernels_lint_clean(options, kernels, default_mask):
     q = torch.randn(1, 4, 1, 16, device=DEVICE)
     k, v = (torch.randn(1, 2, 512, 16, device=DEVICE) for _ in range(2))
-    block_mask = flexattn.create_block_mask(mods.sliding_window(200), None, None, 1, 512, device=DEVICE)
+    block_mask = None if default_mask else flexattn.create_block_mask(
+        mods.sliding_window(200), None, None, 1, 512, device=DEVICE)
 
     def decode(q, k, v):
         return flexattn.flex_attention(q, k, v, score_mod=mods.tanh_softcap(20.0), block_mask=block_mask,
