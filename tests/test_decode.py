@@ -553,6 +553,21 @@ def test_growing_cache_dynamic_shapes(merge):
         torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
 
 
+def test_growing_cache_default_mask():
+    """block_mask=None (DENSE_KV) against a growing cache: the symbolic KV length sets the
+    number of steps, eagerly (flexattn compiles itself) and under torch.compile."""
+    B, Hq, Hkv, E = 2, 4, 2, 16
+    compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+    q = torch.randn(B, Hq, 1, E, device=DEVICE, dtype=torch.float16)
+    for S in (scaled(300, 3000), scaled(333, 3333), scaled(410, 4100)):
+        k = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
+        v = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
+        expect = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1))
+        for out in (compiled(q, k, v, enable_gqa=True), flexattn.flex_attention(q, k, v, enable_gqa=True)):
+            torch.testing.assert_close(out.double(), expect, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("merge", sorted(MERGES))
 def test_dynamic_batch(merge):
     """A symbolic batch (marked dynamic): the number of tiles, and so of tile counters,
