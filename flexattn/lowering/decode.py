@@ -407,7 +407,7 @@ def lower_to_decode_template(
 
     # The order of decode.py.jinja's def_kernel; flex_attention's own default mask (every
     # block full, in order) needs no tables (DENSE_KV).
-    dense_kv = bool(kernel_options.get(DEFAULT_MASK_KEY, False))
+    dense_kv = bool(kernel_options.get(DEFAULT_MASK_KEY, False)) and call.has_full_blocks
     mask_tables = [] if dense_kv else [call.kv_num_blocks, call.kv_indices, call.full_kv_num_blocks,
                                        call.full_kv_indices]
     input_nodes = [query, key, value, *buffers, *mask_tables]
