@@ -537,16 +537,23 @@ def test_public_api_decode_step_eager():
     assert aux.lse.shape == aux.max_scores.shape == (B, Hq, L)
 
 
-@pytest.mark.parametrize("merge", sorted(MERGES))
-def test_growing_cache_dynamic_shapes(merge):
-    """Decode steps against a cache that grows: after the second length Dynamo compiles
-    with a symbolic KV length, and the same decode kernel serves every later step."""
-    B, Hq, Hkv, E = 2, 4, 2, 16
-    compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+def _growing_cache_steps(B=2, Hq=4, Hkv=2, E=16):
+    """(q, k, v) of three decode steps, one query token against caches of growing length
+    (the second length makes Dynamo compile with a symbolic KV length)."""
     q = torch.randn(B, Hq, 1, E, device=DEVICE, dtype=torch.float16)
     for S in (scaled(300, 3000), scaled(333, 3333), scaled(410, 4100)):
         k = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
         v = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
+        yield q, k, v
+
+
+@pytest.mark.parametrize("merge", sorted(MERGES))
+def test_growing_cache_dynamic_shapes(merge):
+    """Decode steps against a cache that grows: after the second length Dynamo compiles
+    with a symbolic KV length, and the same decode kernel serves every later step."""
+    compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+    for q, k, v in _growing_cache_steps():
+        S = k.shape[2]
         bm = flexattn.create_block_mask(window_at(_offset(1, S), 100), None, None, 1, S, device=DEVICE)
         out = compiled(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=MERGES[merge])
         ref = flexattn.flex_attention(q.double(), k.double(), v.double(), block_mask=bm, enable_gqa=True)
@@ -556,12 +563,8 @@ def test_growing_cache_dynamic_shapes(merge):
 def test_growing_cache_default_mask():
     """block_mask=None (DENSE_KV) against a growing cache: the symbolic KV length sets the
     number of steps, eagerly (flexattn compiles itself) and under torch.compile."""
-    B, Hq, Hkv, E = 2, 4, 2, 16
     compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
-    q = torch.randn(B, Hq, 1, E, device=DEVICE, dtype=torch.float16)
-    for S in (scaled(300, 3000), scaled(333, 3333), scaled(410, 4100)):
-        k = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
-        v = torch.randn(B, Hkv, S, E, device=DEVICE, dtype=torch.float16)
+    for q, k, v in _growing_cache_steps():
         expect = torch.nn.functional.scaled_dot_product_attention(
             q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1))
         for out in (compiled(q, k, v, enable_gqa=True), flexattn.flex_attention(q, k, v, enable_gqa=True)):
