@@ -318,6 +318,21 @@ def test_split_kv_pinned(split, merge):
     assert len(_decode_kernels(code)) == (2 if two_launches else 1)
 
 
+def test_split_kv_automatic():
+    """Fewer tiles than (virtual) multiprocessors split the KV steps; as many tiles as
+    multiprocessors or more run unsplit, in one launch (the host's rule, on the device
+    the tests run on)."""
+    L, S = 1, scaled(300, 3000)
+    sms = dec.multiprocessor_count(torch.device(DEVICE))
+    few = max(1, sms // 4)   # (B, KV heads) tiles: B x 1 KV head of 2 query heads
+    for B, expect_split in ((few, True), (sms, False)):
+        _, _, code = run_case(B=B, Hq=2, Hkv=1, L=L, S=S, mask_mod=window_at(_offset(L, S), S // 2),
+                              options={"FUSED_MERGE": False}, with_code=True, seed=B)
+        split = int(constexpr(code, "SPLIT_KV"))
+        assert (split > 1) == expect_split, (B, split)
+        assert len(_decode_kernels(code)) == (2 if expect_split else 1)
+
+
 def _decode_kernels(code: str) -> list[str]:
     """Names of the template kernels launched by the generated code."""
     return re.findall(r"^\s+(triton_tem_\w+)\.run\(", code, re.M)
@@ -439,6 +454,32 @@ def test_kernel_options(options):
     L, S = 2, scaled(200, 2000)
     run_case(Hq=4, Hkv=2, L=L, S=S, score_mod=mods.tanh_softcap(5.0), mask_mod=causal_at(_offset(L, S)),
              options=options, block_size=64)
+
+
+@pytest.mark.parametrize("split", [1, 3, 7])
+def test_scattered_block_lists(split):
+    """BlockMask lists in no particular order, with blocks left out, walked in steps of a
+    quarter block (the next listed block's index is fetched a block ahead): shares start
+    and end inside blocks, cross from the partial list to the full list, and some are
+    empty."""
+    B, Hkv, L, block, S = 2, 2, 1, 64, 9 * 64 + 13
+    n = math.ceil(S / block)
+    gen = torch.Generator().manual_seed(split)
+    order = torch.stack([torch.randperm(n, generator=gen) for _ in range(B)]).to(torch.int32).view(B, 1, 1, n)
+    partial_count, full_count = 4, 4
+    full = torch.cat([order[..., partial_count:], order[..., :partial_count]], dim=-1)
+
+    def every_third_key_hidden(b, h, q_idx, kv_idx):
+        return kv_idx % 3 != (b + h) % 3
+
+    counts = torch.full((B, 1, 1), partial_count, dtype=torch.int32)
+    bm = flexattn.BlockMask.from_kv_blocks(
+        counts.to(DEVICE), order.to(DEVICE), torch.full((B, 1, 1), full_count, dtype=torch.int32).to(DEVICE),
+        full.to(DEVICE), BLOCK_SIZE=(128, block), mask_mod=every_third_key_hidden, seq_lengths=(L, S))
+    options = {"FORCE_DECODE": True, "SPLIT_KV": split, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+    _, _, code = run_case(B=B, Hq=4, Hkv=Hkv, L=L, S=S, block_mask=bm.as_tuple(), options=options,
+                          seed=split, with_code=True)
+    assert constexpr(code, "BLOCKS_ARE_CONTIGUOUS") == "False"
 
 
 def test_no_full_blocks():
@@ -615,8 +656,19 @@ def test_split_count():
     assert dec.split_count(sms=132, programs=4, max_steps=512, kernel_options={}) == 33
     # Short caches cap the split at MIN_STEPS_PER_SPLIT steps a share.
     assert dec.split_count(sms=132, programs=8, max_steps=8, kernel_options={}) == 4
-    # Many programs: still MIN_SPLIT_KV splits when the row has the steps.
-    assert dec.split_count(sms=132, programs=1024, max_steps=512, kernel_options={}) == dec.MIN_SPLIT_KV
+    wave = 132 * dec.RESIDENT_PROGRAMS_PER_SM
+    # Fewer tiles than multiprocessors: still MIN_SPLIT_KV splits when the row has the
+    # steps, but no more programs than a wave.
+    assert dec.split_count(sms=132, programs=64, max_steps=512, kernel_options={}) == dec.MIN_SPLIT_KV
+    assert dec.split_count(sms=132, programs=131, max_steps=512, kernel_options={}) == max(1, min(
+        dec.MIN_SPLIT_KV, wave // 131))
+    # The tiles alone fill the multiprocessors within a wave: no split.
+    assert dec.split_count(sms=132, programs=132, max_steps=512, kernel_options={}) == 1
+    assert dec.split_count(sms=132, programs=wave, max_steps=512, kernel_options={}) == 1
+    # More tiles than a wave: MIN_WAVES waves of programs.
+    split = dec.split_count(sms=132, programs=wave + 1, max_steps=512, kernel_options={})
+    assert (split - 1) * (wave + 1) < dec.MIN_WAVES * wave <= split * (wave + 1)
+    assert dec.split_count(sms=132, programs=1024, max_steps=512, kernel_options={"SPLIT_KV": 1}) == 1
     assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={"SPLIT_KV": 5}) == 5
 
 

@@ -29,10 +29,13 @@ only affects speed, every choice is correct for every size):
 * the packing (``packing``): HEADS_PER_TILE query heads x BLOCK_Q query positions per
   tile, at most ``MAX_TILE_ROWS`` rows. Heads are packed only when the BlockMask is the
   same for every head (its head dimension is 1): a tile walks one BlockMask row;
-* the number of splits (``split_count``): enough programs for ``PROGRAMS_PER_SM`` per
-  multiprocessor and at least ``MIN_SPLIT_KV``, at most one per ``MIN_STEPS_PER_SPLIT``
-  KV steps of a dense row, at most ``MAX_SPLIT_KV``; ``kernel_options["SPLIT_KV"]`` pins
-  it;
+* the number of splits (``split_count``), from the tiles against the multiprocessors
+  and the *wave* (``RESIDENT_PROGRAMS_PER_SM`` programs per multiprocessor): fewer
+  tiles than multiprocessors split into ``PROGRAMS_PER_SM`` programs per multiprocessor,
+  at least ``MIN_SPLIT_KV`` splits, at most one wave; tiles that fill the
+  multiprocessors within one wave do not split; more tiles than a wave split into
+  ``MIN_WAVES`` waves. At most one split per ``MIN_STEPS_PER_SPLIT`` KV steps of a
+  dense row, at most ``MAX_SPLIT_KV``; ``kernel_options["SPLIT_KV"]`` pins it;
 * the KV step (``DecodeConfig``): BLOCK_N, warps and stages from ``DEFAULTS`` (plus
   ``AUTOTUNE_CANDIDATES`` under max_autotune), widened to ``LATENCY_BLOCK_N`` for 16-bit
   calls with no more programs than multiprocessors; ``kernel_options`` ``BLOCK_N``,
@@ -104,6 +107,17 @@ PROGRAMS_PER_SM = 1
 #: mask's walk read no tables (DENSE_KV); with the tables 16 had beaten 2-3 (73.9 vs 75.7
 #: us at 8k, 253 vs 263 at 32k).
 MIN_SPLIT_KV = 4
+#: Decode programs resident at once on one multiprocessor (shared memory allows about
+#: three of the D=128 default, 64-column steps 3 deep); ``sms`` times this is a *wave*.
+#: Inferred from H200 sweeps at KV 8k (bench/tune_decode.py, CUDA-graph us, SDPA
+#: beside): 256 programs (under a wave) ran level with SDPA whatever the split (B=8 x 4,
+#: B=16 x 2: 125.8 vs 123.3, B=32 x 1: 242.4 vs 240.3), 512 (1.3 waves) 12-15% behind it
+#: whatever the split (B=16 x 4, B=32 x 2, B=64 x 1: 553 vs 484), 2048 (B=64 x 4) level.
+RESIDENT_PROGRAMS_PER_SM = 3
+#: Tiles beyond one wave are split into at least this many waves of programs, so that the
+#: last, partly filled wave is a small part of the time (B=64, 512 tiles: 4 splits 487 us,
+#: 2 splits 502, none 553; SDPA 484).
+MIN_WAVES = 4
 #: KV step of a latency-bound call (no more programs than multiprocessors): wider steps
 #: put more bytes in flight per program (B=1 KV 32k: 40 us with 128, 49 with 64).
 LATENCY_BLOCK_N = 128
@@ -112,8 +126,10 @@ MIN_STEPS_PER_SPLIT = 2
 #: Upper bound of SPLIT_KV (the partial results grow with it).
 MAX_SPLIT_KV = 256
 #: Multiprocessors assumed where the device has none to ask (CPU tensors in the Triton
-#: interpreter): a small number, so that interpreted calls still use several splits.
-VIRTUAL_SMS = 2
+#: interpreter): small, so that interpreted calls stay cheap, yet above the tile count of
+#: small test shapes (a few batches x KV heads), so that those split as on a GPU, while
+#: calls with at least this many tiles take the unsplit path.
+VIRTUAL_SMS = 8
 #: Rows merged per program in the second pass (at most; fewer for shorter queries).
 MERGE_ROWS = 16
 #: FUSED_MERGE when kernel_options does not set it: the two-launch merge. Measured on an
@@ -285,17 +301,36 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict[str, Any]) -> int:
-    """SPLIT_KV: PROGRAMS_PER_SM programs per multiprocessor and at least MIN_SPLIT_KV
-    splits, each with at least MIN_STEPS_PER_SPLIT steps of a dense row; pinned by
-    kernel_options["SPLIT_KV"]."""
+    """SPLIT_KV for ``programs`` tiles on ``sms`` multiprocessors (a wave: sms *
+    RESIDENT_PROGRAMS_PER_SM programs at once):
+
+    * fewer tiles than multiprocessors: PROGRAMS_PER_SM programs per multiprocessor and at
+      least MIN_SPLIT_KV splits, but no more programs than a wave;
+    * at least one tile per multiprocessor, within one wave: 1 (no split);
+    * more tiles than a wave: enough splits for MIN_WAVES waves;
+
+    each split keeping at least MIN_STEPS_PER_SPLIT steps of a dense row (of max_steps),
+    at most MAX_SPLIT_KV; pinned by kernel_options["SPLIT_KV"]."""
     pinned = kernel_options.get("SPLIT_KV")
     if pinned is not None:
         if not isinstance(pinned, int) or isinstance(pinned, bool) or not 1 <= pinned <= MAX_SPLIT_KV:
             raise DecodeOptionError(
                 f"flexattn: kernel_options SPLIT_KV must be an int in [1, {MAX_SPLIT_KV}], got {pinned!r}")
         return pinned
-    # Rounded down: one program past a whole number per SM is a second wave.
-    wanted = max(PROGRAMS_PER_SM * sms // max(programs, 1), MIN_SPLIT_KV)
+    programs = max(programs, 1)
+    wave = sms * RESIDENT_PROGRAMS_PER_SM
+    if programs > wave:
+        # More tiles than one wave: enough splits for MIN_WAVES waves.
+        wanted = math.ceil(MIN_WAVES * wave / programs)
+    elif programs >= sms:
+        # The tiles alone fill the GPU in one wave: splitting would only add partials, a
+        # merge and a second wave (B=32, 256 tiles, KV 8k: 1 split 242.4 us, 2 splits
+        # 277.1, 4 splits 253.1; SDPA 240.3).
+        return 1
+    else:
+        # Rounded down: one program past a whole number per SM is a second round; and no
+        # more programs than one wave.
+        wanted = min(max(PROGRAMS_PER_SM * sms // programs, MIN_SPLIT_KV), max(wave // programs, 1))
     useful = math.ceil(max_steps / MIN_STEPS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLIT_KV))
 
