@@ -11,10 +11,13 @@ import torch
 def allow_recompiles() -> None:
     """Each pinned configuration is a recompile of the same frame; without this Dynamo
     stops compiling after its recompile limit and the rest of a sweep would time the
-    uncompiled function."""
+    uncompiled function. Shapes stay static: a sweep over batch sizes or lengths would
+    otherwise reuse one symbolic-shape compile, whose host-side choices (tiles, splits)
+    were made from the first changed shape's sizes."""
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 10_000)
+    torch._dynamo.config.automatic_dynamic_shapes = False
 
 
 def grid_settings(grid_json: str) -> list[dict]:
