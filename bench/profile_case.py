@@ -33,6 +33,10 @@ from torch.profiler import ProfilerActivity, profile
 import bench_attention as ba
 
 PROFILED_CALLS = 5
+#: Python frames shown for each synchronizing call.
+SYNC_FRAMES = 6
+#: The warning torch emits once per process on entering sync debug mode: not a sync.
+SYNC_MODE_NOTICE = "Synchronization debug mode is a prototype feature"
 
 
 def _first_call(step, compile_profile: bool) -> float:
@@ -96,11 +100,25 @@ def _timings(step, grads) -> dict[str, float]:
 
 
 def _synchronizations(step, grads) -> list[str]:
-    """The synchronizing CUDA calls one steady-state call makes (torch's sync debug mode)."""
+    """The synchronizing CUDA calls one steady-state call makes (torch's sync debug mode),
+    each with the innermost Python frames that led to it (generated wrapper code, flexattn
+    or torch), so that the call can be found."""
+    import traceback
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:
+    found: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith(SYNC_MODE_NOTICE):
+            return
+        frames = traceback.extract_stack()[:-1]
+        where = " <- ".join(f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} {frame.name}"
+                            for frame in reversed(frames[-SYNC_FRAMES:]))
+        found.append(f"{str(message).splitlines()[0][:80]} at {where}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
@@ -108,7 +126,7 @@ def _synchronizations(step, grads) -> list[str]:
             torch.cuda.set_sync_debug_mode("default")
     for tensor in grads:
         tensor.grad = None
-    return [str(w.message).splitlines()[0][:120] for w in caught]
+    return found
 
 
 def main() -> None:
