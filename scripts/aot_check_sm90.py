@@ -12,9 +12,10 @@ image's Triton shows (e.g. Triton 3.6's loop scheduler) can be found here:
 Every pointer argument gets 16-byte divisibility, as CUDA allocations do. With
 --ptxas, each kernel's PTX also goes through Triton's bundled ptxas (-arch=sm_90a -v),
 which prints its registers and spill bytes per thread. With AOT_PTX_DIR set, each
-kernel's PTX is written there too (<file>.<kernel>.ptx).
+kernel's PTX is written there too (<file>.<kernel>.ptx). Each kernel's line gives its
+compile time (Triton's passes, LLVM and ptxas to a cubin, on this machine's CPU).
 """
-import os, sys, re, subprocess, tempfile, importlib.util
+import os, sys, re, subprocess, tempfile, importlib.util, time
 import triton
 from triton.backends.compiler import GPUTarget
 print("triton", triton.__version__)
@@ -54,11 +55,13 @@ for path in (a for a in sys.argv[1:] if a != "--ptxas"):
         ptr_idx = [i for i, a in enumerate(fn.arg_names) if str(sig.get(a, "")).startswith("*")]
         attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_idx}
         try:
+            start = time.perf_counter()
             k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={}, attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+            seconds = time.perf_counter() - start
             usage = ptxas_usage(k.asm["ptx"]) if PTXAS else ""
             if PTX_DIR:
                 with open(os.path.join(PTX_DIR, f"{os.path.basename(path)}.{name}.ptx"), "w") as f:
                     f.write(k.asm["ptx"])
-            print("OK  ", path, name, warps, stages, "shared", k.metadata.shared, usage)
+            print("OK  ", path, name, warps, stages, "shared", k.metadata.shared, f"compile {seconds:.2f} s", usage)
         except Exception as e:
             print("FAIL", path, name, warps, stages, " | ".join(l for l in str(e).splitlines() if l.strip())[-600:])

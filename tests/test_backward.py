@@ -87,9 +87,12 @@ def _attention_grads(attend, q, k, v, buffers, grad_out, grad_lse):
 def run_case(
     *, dtype, B=2, Hq=2, Hkv=None, Bkv=None, L=64, S=64, E=32, Ev=None,
     make_mods=None, block_size=128, use_lse=False, options=None, seed=0,
-    make_inputs=None, block_mask=None, check_out=True,
+    make_inputs=None, block_mask=None, check_out=True, default_mask=False,
 ):
     """Run golden / reference / compiled forward+backward; check the 3-way bound.
+
+    ``default_mask``: the compiled call passes ``block_mask=None`` (flex_attention's own
+    mask, the kernels' DENSE_KV walk); the references use the same all-visible mask.
 
     ``make_mods(gen)`` returns ``(mods_of, buffers)``: ``buffers`` are the learnable
     captured tensors (float32, requires_grad) and ``mods_of(buffers)`` the
@@ -147,8 +150,10 @@ def run_case(
     cbufs = [leaf(b) for b in buffers]
     score_mod, _ = mods_of(cbufs)
 
+    assert not default_mask or mods_of(buffers)[1] is None, "default_mask: no mask_mod"
+
     def attend(q, k, v):
-        out, aux = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+        out, aux = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=None if default_mask else block_mask,
                                            scale=scale, enable_gqa=Hq != Hkv, kernel_options=options,
                                            return_aux=AuxRequest(lse=True))
         return out, aux.lse
@@ -416,6 +421,45 @@ def test_one_loop_with_captured_mask_tensor():
     doc = (torch.arange(n, device=DEVICE) * 3) // n
     run_case(dtype=torch.float16, L=n, S=n, make_mods=_no_buffers(None, mods.document_mask(doc)),
              options={"ONE_KV_LOOP": True}, block_size=scaled(16, 128))
+
+
+# flex_attention's default mask (block_mask=None): the forward and backward kernels walk
+# every position from 0 without the BlockMask tables (DENSE_KV). Odd lengths (the last
+# sparse block cut in both views), a padded head dim, GQA, a learnable captured tensor,
+# and the loop and load variants.
+@pytest.mark.parametrize("options,L,S,E,Hq,Hkv", [
+    ({}, 77, 130, 40, 4, 2),
+    ({"USE_TMA": True, "ONE_KV_LOOP": True}, 77, 130, 40, 4, 2),
+    ({"DQ_ATOMIC": True}, 64, 100, 32, 2, 1),
+], ids=["default", "tma_one_loop", "dq_atomic"])
+def test_default_mask_dense_walk(options, L, S, E, Hq, Hkv):
+    L, S = scaled(L, 9 * L + 3), scaled(S, 9 * S + 5)
+    run_case(dtype=torch.float16, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, make_mods=_relative_bias_learnable(max(L, S), Hq),
+             options=options, default_mask=True, block_size=scaled(32, 128), use_lse=True)
+    run_case(dtype=torch.float32, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, make_mods=_no_buffers(None, None),
+             options=options, default_mask=True)
+
+
+@pytest.mark.parametrize("default_mask", [True, False], ids=["block_mask_none", "explicit_full_mask"])
+def test_dense_kv_only_for_the_default_mask(default_mask):
+    """DENSE_KV in both kernels for block_mask=None; an explicit BlockMask, even one
+    with every block full, keeps its tables (only flex_attention's own mask is known
+    to list every block in order)."""
+    n = 48
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_randn(gen, 1, 2, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    bm = None if default_mask else create_block_mask(noop_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
+
+    def step(q, k, v):
+        out = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm),
+                            backend="inductor", fullgraph=True)(q, k, v)
+        return torch.autograd.grad(out.float().square().sum(), (q, k, v))
+
+    _, code = run_and_get_code(step, q, k, v)
+    kernels = [c for c in code if BACKWARD_MARK in c or "def attend_kv_blocks(" in c]
+    assert len(kernels) == 2, "expected the forward and the backward template"
+    for c in kernels:
+        assert c.split("DENSE_KV : tl.constexpr = ", 1)[1].split("\n", 1)[0].strip() == str(default_mask)
 
 
 def test_compiled_backward_uses_our_template():

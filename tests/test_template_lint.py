@@ -1,8 +1,8 @@
 """Lint of the rendered templates: the Triton code Inductor generates from each flexattn
 template (forward, backward with captured-tensor gradients, decode and its merge) passes
 pyflakes, apart from what every Inductor kernel carries. The decode kernel is checked in
-its three forms: one launch with the merge fused, two launches, and one share; and
-without BlockMask tables (flex_attention's default mask).
+its three forms: one launch with the merge fused, two launches, and one share; every
+kernel also without BlockMask tables (flex_attention's default mask, DENSE_KV).
 
 Allowed: unused imports (Inductor's kernel header) and unused local assignments (every
 function of a template gets all the kernel's constexprs from ``gen_defines()``, and an
@@ -83,6 +83,22 @@ def test_forward_and_backward_kernels_lint_clean():
     # The forward template and the backward template (with reduced and per-element
     # captured-tensor gradients).
     _assert_clean(_template_kernels(step, q, k, v), expect_at_least=2)
+
+
+def test_default_mask_forward_and_backward_lint_clean():
+    """block_mask=None: both kernels without BlockMask tables (DENSE_KV), with a score_mod
+    whose captured tensor needs a gradient."""
+    n = 64 if DEVICE == "cpu" else 256
+    table = torch.randn(2 * n - 1, device=DEVICE, requires_grad=True)
+
+    def step(q, k, v):
+        out = flexattn.flex_attention(q, k, v, score_mod=mods.relative_bias(table))
+        out.sum().backward()
+
+    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    found = _template_kernels(step, q, k, v)
+    assert all("DENSE_KV : tl.constexpr = True" in src for src in found.values()), list(found)
+    _assert_clean(found, expect_at_least=2)
 
 
 @pytest.mark.parametrize("options,kernels,default_mask", [

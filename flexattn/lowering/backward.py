@@ -562,7 +562,7 @@ def lower_to_template(query, key, value, out, logsumexp, grad_out, grad_logsumex
         TEMPLATE_NAME, choices, input_nodes + extra + scatter_grads, dk_layout, input_gen_fns=input_gen_fns)
     report_choice("backward", grad_key, config_of_choice, usable, spec,
                   ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS", "HAS_SCORE_MOD",
-                   "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N", "DQ_ATOMIC", "USE_TMA"),
+                   "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N", "DQ_ATOMIC", "USE_TMA", "DENSE_KV"),
                   query, key, value, kernel_options)
 
     grad_key, grad_value = ir.TensorBox(grad_key) if not isinstance(grad_key, ir.TensorBox) else grad_key, \

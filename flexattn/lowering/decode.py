@@ -71,7 +71,6 @@ from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv
 
 from .. import _compat
-from ..block_mask import DEFAULT_MASK_KEY
 from ..templates import kernel_source, read_template
 from . import configs as cfgs
 from .forward import (
@@ -442,7 +441,7 @@ def lower_to_decode_template(
 
     # The order of decode.py.jinja's def_kernel; flex_attention's own default mask (every
     # block full, in order) needs no tables (DENSE_KV).
-    dense_kv = bool(kernel_options.get(DEFAULT_MASK_KEY, False)) and call.has_full_blocks
+    dense_kv = spec["DENSE_KV"]
     mask_tables = [] if dense_kv else [call.kv_num_blocks, call.kv_indices, call.full_kv_num_blocks,
                                        call.full_kv_indices]
     input_nodes = [query, key, value, *buffers, *mask_tables]
@@ -456,7 +455,6 @@ def lower_to_decode_template(
         "SPLIT_KV": split_kv,
         "SPLIT_KV_PAD": _next_power_of_two(split_kv),
         "FUSED_MERGE": fused,
-        "DENSE_KV": dense_kv,
         "IS_DIVISIBLE_N": known(sympy.Eq(sympy.Mod(S, call.sparse_kv), 0)),
     }
     choices, config_of_choice = template_choices(

@@ -38,6 +38,7 @@ from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, Mod
 
 from .. import _compat
+from ..block_mask import DEFAULT_MASK_KEY
 from ..templates import kernel_source
 from . import configs as cfgs
 from .subgraph import (MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, gathered_tile_bytes, is_identity_score_mod,
@@ -331,6 +332,11 @@ def forward_specialisations(
         "USE_TMA": use_tma(kernel_options, query, key, value, kernel, qk_pad, extra_tma_operands),
     }
     spec.update(read_bool_options(kernel_options, kernel))
+    # flex_attention's own default mask (every block full, in order, in both views):
+    # the kernels walk every position from 0 without reading its tables (DENSE_KV).
+    spec["DENSE_KV"] = bool(kernel_options.get(DEFAULT_MASK_KEY, False)) and has_full_blocks
+    if spec["DENSE_KV"]:
+        spec["BLOCKS_ARE_CONTIGUOUS"] = True
     return spec
 
 
@@ -571,7 +577,7 @@ def report_choice(kernel: str, node, config_of_choice, usable, spec: dict[str, A
 
 #: The specialisations that report_choice shows for the forward and decode kernels.
 REPORTED_SPECIALISATIONS = ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS",
-                            "HAS_SCORE_MOD", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "USE_TMA")
+                            "HAS_SCORE_MOD", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "USE_TMA", "DENSE_KV")
 
 
 __all__ = ["forward_grid", "forward_template", "lower_flex_attention", "use_triton_template"]
