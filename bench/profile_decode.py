@@ -7,7 +7,7 @@ One query token at position S-1 against S cached tokens, 32 query heads on 8 KV 
 D=128, bf16, no mask or ``--window`` (bench_decode.py's cases, built by its functions).
 For each (B, S) it prints, for flexattn (default kernel_options, and each ``--options``
 set), for flexattn on a paged cache with ``--paged`` (bench_decode's pages of 128
-tokens in shuffled order) and, without a window, for SDPA with enable_gqa: the CUDA-graph replay time (as bench_decode reports it) and every kernel of
+tokens in shuffled order; the same kernel_options sets) and, without a window, for SDPA with enable_gqa: the CUDA-graph replay time (as bench_decode reports it) and every kernel of
 one call from torch.profiler: name, microseconds and launches, so that the split-KV pass,
 the merge pass and SDPA's own kernels (their names say which backend SDPA picked) can be
 compared one by one. A diagnosis tool; nothing is written to bench/results.
@@ -55,7 +55,10 @@ def main() -> None:
                  for name, opts in variants]
         if args.paged:
             k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size)
-            calls.append(("flexattn paged", lambda: ours(q, k_pool, v_pool, block_mask=paged_mask, enable_gqa=True)))
+            calls += [(name.replace("flexattn", "flexattn paged", 1),
+                       lambda opts=opts: ours(q, k_pool, v_pool, block_mask=paged_mask, kernel_options=opts,
+                                              enable_gqa=True))
+                      for name, opts in variants]
         if args.window is None:
             calls.append(("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
         for name, call in calls:

@@ -12,7 +12,8 @@ image's Triton shows (e.g. Triton 3.6's loop scheduler) can be found here:
 Every pointer argument gets 16-byte divisibility, as CUDA allocations do. With
 --ptxas, each kernel's PTX also goes through Triton's bundled ptxas (-arch=sm_90a -v),
 which prints its registers and spill bytes per thread. With AOT_PTX_DIR set, each
-kernel's PTX is written there too (<file>.<kernel>.ptx). Each kernel's line gives its
+kernel's PTX and TTGIR (Triton's GPU IR after its passes, where the software
+pipeline's stages show) are written there too (<file>.<kernel>.ptx / .ttgir). Each kernel's line gives its
 compile time (Triton's passes, LLVM and ptxas to a cubin, on this machine's CPU).
 """
 import os, sys, re, subprocess, tempfile, importlib.util, time
@@ -60,8 +61,9 @@ for path in (a for a in sys.argv[1:] if a != "--ptxas"):
             seconds = time.perf_counter() - start
             usage = ptxas_usage(k.asm["ptx"]) if PTXAS else ""
             if PTX_DIR:
-                with open(os.path.join(PTX_DIR, f"{os.path.basename(path)}.{name}.ptx"), "w") as f:
-                    f.write(k.asm["ptx"])
+                for stage in ("ttgir", "ptx"):
+                    with open(os.path.join(PTX_DIR, f"{os.path.basename(path)}.{name}.{stage}"), "w") as f:
+                        f.write(k.asm[stage])
             print("OK  ", path, name, warps, stages, "shared", k.metadata.shared, f"compile {seconds:.2f} s", usage)
         except Exception as e:
             print("FAIL", path, name, warps, stages, " | ".join(l for l in str(e).splitlines() if l.strip())[-600:])

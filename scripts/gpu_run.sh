@@ -14,9 +14,13 @@ BENCH_BUDGET=${4:-200}
 WORKERS=${WORKERS:-8}
 export FLEXATTN_FAIL_LOG="$OUT/failures.log"
 PARALLEL=""
-# Carried wheels (pytest-xdist): compiling kernels is CPU-bound, so tests run in parallel.
+# Carried wheels, if any (the GPU image lacks a package the tests need).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+# Compiling kernels is CPU-bound, so the tests run in parallel where pytest-xdist is
+# installed (the GPU image has it).
+if python3 -c "import xdist" >/dev/null 2>&1; then
   PARALLEL="-n $WORKERS"
 fi
 {

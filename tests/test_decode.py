@@ -50,7 +50,7 @@ _compat.use_interpreter_libdevice()
 ON_CUDA = DEVICE == "cuda"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
 SLOW = os.environ.get("FLEXATTN_SLOW") == "1"
-DECODE_MARK = "def attend_kv_steps("   # the decode kernel's inner loop
+DECODE_MARK = "def attend_kv_tile("   # the decode kernel's step
 MAIN_MARK = "def attend_kv_blocks("    # the main forward kernel's inner loop
 
 OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, PRESCALE_QK=False,
@@ -460,11 +460,13 @@ def test_kernel_options(options):
              options=options, block_size=64)
 
 
-@pytest.mark.parametrize("split", [1, 3, 7])
-def test_scattered_block_lists(split):
+@pytest.mark.parametrize("split,chunk", [(1, None), (3, None), (7, None), (1, 2), (3, 2)])
+def test_scattered_block_lists(split, chunk):
     """BlockMask lists in no particular order, with blocks left out, walked in steps of a
-    quarter block: shares start and end inside blocks, cross from the partial list to the
-    full list, and some are empty."""
+    quarter block: each share takes every split-th block of the partial list and then of
+    the full list (strided views of both), shares differ in length, and with 7 splits of
+    4 + 4 blocks some shares are empty. With chunks of 2 block indices a share of 4
+    blocks walks two chunks per list, the second loaded while the first is walked."""
     B, Hkv, L, block, S = 2, 2, 1, 64, 9 * 64 + 13
     n = math.ceil(S / block)
     gen = torch.Generator().manual_seed(split)
@@ -479,10 +481,13 @@ def test_scattered_block_lists(split):
     bm = flexattn.BlockMask.from_kv_blocks(
         counts.to(DEVICE), order.to(DEVICE), torch.full((B, 1, 1), full_count, dtype=torch.int32).to(DEVICE),
         full.to(DEVICE), BLOCK_SIZE=(128, block), mask_mod=every_third_key_hidden, seq_lengths=(L, S))
-    options = {"FORCE_DECODE": True, "SPLIT_KV": split, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+    options = {"FORCE_DECODE": True, "SPLIT_KV": split, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1,
+               **({"LIST_CHUNK": chunk} if chunk else {})}
     _, _, code = run_case(B=B, Hq=4, Hkv=Hkv, L=L, S=S, block_mask=bm.as_tuple(), options=options,
                           seed=split, with_code=True)
     assert constexpr(code, "BLOCKS_ARE_CONTIGUOUS") == "False"
+    # Pinned, or the default: the power of two that holds a share's blocks (ceil(n / split)).
+    assert int(constexpr(code, "LIST_CHUNK")) == (chunk or max(2, 1 << (math.ceil(n / split) - 1).bit_length()))
 
 
 def test_no_full_blocks():
@@ -556,6 +561,19 @@ def test_kernel_choice(L, S, options, expect):
 def test_contradicting_force_options():
     with pytest.raises(Exception, match="FORCE_DECODE=True and FORCE_USE_FLEX_ATTENTION=True"):
         _code_for(1, 300, {"FORCE_DECODE": True, "FORCE_USE_FLEX_ATTENTION": True})
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 0, True, "16"])
+def test_bad_list_chunk(chunk):
+    with pytest.raises(Exception, match="LIST_CHUNK must be a power of two >= 2"):
+        _code_for(1, 300, {"LIST_CHUNK": chunk})
+
+
+def test_list_chunk_size():
+    assert dec.list_chunk_size(64, {}) == dec.LIST_CHUNK_DEFAULT
+    assert dec.list_chunk_size(5, {}) == 8
+    assert dec.list_chunk_size(1, {}) == 2
+    assert dec.list_chunk_size(64, {"LIST_CHUNK": 4}) == 4
 
 
 @pytest.mark.parametrize("split", [0, 1000, "4"])
@@ -673,6 +691,9 @@ def test_split_count():
     assert (split - 1) * (wave + 1) < dec.MIN_WAVES * wave <= split * (wave + 1)
     assert dec.split_count(sms=132, programs=1024, max_steps=512, kernel_options={"SPLIT_KV": 1}) == 1
     assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={"SPLIT_KV": 5}) == 5
+    # With BlockMask lists a share takes whole blocks: at most one split per listed block.
+    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=5) == 5
+    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=64) == 16
 
 
 def test_widen_for_latency():

@@ -32,7 +32,7 @@ from _numerics import assert_close_3way
 from conftest import DEVICE
 
 ON_CUDA = DEVICE == "cuda"
-DECODE_MARK = "def attend_kv_steps("   # the decode kernel's inner loop
+DECODE_MARK = "def attend_kv_tile("   # the decode kernel's step
 MAIN_MARK = "def attend_kv_blocks("    # the main forward kernel's inner loop
 kernel = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
@@ -318,7 +318,8 @@ def test_paged_matches_contiguous_dense_path(group, L):
     (2, 17, None),                             # a prefill chunk through the decode kernel
     (8, 5, {"FORCE_DECODE": False}),           # the main kernel on the pages
     (4, 1, {"USE_TMA": True}),                 # descriptor loads of the pool's pages
-], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8", "decode-L1-gqa4-tma"])
+    (4, 1, {"LIST_CHUNK": 2}),                 # page indices two at a time: several chunks
+], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8", "decode-L1-gqa4-tma", "decode-L1-gqa4-chunk2"])
 def test_paged_matches_contiguous_kernels(group, L, options):
     # Two sequences and one KV head keep the interpreter's work small.
     cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=1, seed=group + L, lengths=(152, 70))

@@ -35,7 +35,12 @@ only affects speed, every choice is correct for every size):
   at least ``MIN_SPLIT_KV`` splits, at most one wave; tiles that fill the
   multiprocessors within one wave do not split; more tiles than a wave split into
   ``MIN_WAVES`` waves. At most one split per ``MIN_STEPS_PER_SPLIT`` KV steps of a
-  dense row, at most ``MAX_SPLIT_KV``; ``kernel_options["SPLIT_KV"]`` pins it;
+  dense row and, with BlockMask lists (whose shares take every SPLIT_KV-th block, see
+  decode.py.jinja), one per KV block; at most ``MAX_SPLIT_KV``;
+  ``kernel_options["SPLIT_KV"]`` pins it;
+* the block indices a program reads per register chunk (``list_chunk_size``):
+  ``LIST_CHUNK_DEFAULT``, or fewer when a share has fewer blocks;
+  ``kernel_options["LIST_CHUNK"]`` pins it;
 * the KV step (``DecodeConfig``): BLOCK_N, warps and stages from ``DEFAULTS`` (plus
   ``AUTOTUNE_CANDIDATES`` under max_autotune), widened to ``LATENCY_BLOCK_N`` for 16-bit
   calls with no more programs than multiprocessors; ``kernel_options`` ``BLOCK_N``,
@@ -124,6 +129,14 @@ LATENCY_BLOCK_N = 128
 MIN_STEPS_PER_SPLIT = 2
 #: Upper bound of SPLIT_KV (the partial results grow with it).
 MAX_SPLIT_KV = 256
+#: Block indices a program of a call with BlockMask lists reads per register chunk
+#: (LIST_CHUNK in decode.py.jinja; fewer when no share has that many blocks). Kernel
+#: times on an H200 (bench/profile_decode.py --paged, 32 query heads on 8 KV heads,
+#: D=128, bf16, us), paged cache without a mask at B=1 KV 2k / 8k / 32k: 4.2 / 8.2 / 34.5
+#: with chunks of 16, 4.4 / 8.3 / 34.2 with 64, 4.6 / 8.6 / 36.4 with an index load per
+#: step (the contiguous default mask: 4.1 / 7.6 / 33.4); B=32 KV 32k 955.0 / 958.9 /
+#: 955.8; sliding window 1024 at B=8 KV 8k, contiguous cache: 8.3 / 8.4 / 9.2.
+LIST_CHUNK_DEFAULT = 16
 #: Multiprocessors assumed where the device has none to ask (CPU tensors in the Triton
 #: interpreter): small, so that interpreted calls stay cheap, yet above the tile count of
 #: small test shapes (a few batches x KV heads), so that those split as on a GPU, while
@@ -299,7 +312,8 @@ def multiprocessor_count(device: torch.device) -> int:
     return VIRTUAL_SMS
 
 
-def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict[str, Any]) -> int:
+def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict[str, Any],
+                max_blocks: int | None = None) -> int:
     """SPLIT_KV for ``programs`` tiles on ``sms`` multiprocessors (a wave: sms *
     RESIDENT_PROGRAMS_PER_SM programs at once):
 
@@ -308,8 +322,9 @@ def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict
     * at least one tile per multiprocessor, within one wave: 1 (no split);
     * more tiles than a wave: enough splits for MIN_WAVES waves;
 
-    each split keeping at least MIN_STEPS_PER_SPLIT steps of a dense row (of max_steps),
-    at most MAX_SPLIT_KV; pinned by kernel_options["SPLIT_KV"]."""
+    each split keeping at least MIN_STEPS_PER_SPLIT steps of a dense row (of max_steps)
+    and, where shares take whole blocks (every call with BlockMask lists), at least one
+    of its max_blocks blocks; at most MAX_SPLIT_KV; pinned by kernel_options["SPLIT_KV"]."""
     pinned = kernel_options.get("SPLIT_KV")
     if pinned is not None:
         if not isinstance(pinned, int) or isinstance(pinned, bool) or not 1 <= pinned <= MAX_SPLIT_KV:
@@ -331,7 +346,22 @@ def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict
         # more programs than one wave.
         wanted = min(max(PROGRAMS_PER_SM * sms // programs, MIN_SPLIT_KV), max(wave // programs, 1))
     useful = math.ceil(max_steps / MIN_STEPS_PER_SPLIT)
+    if max_blocks is not None:
+        useful = min(useful, max_blocks)
     return max(1, min(wanted, useful, MAX_SPLIT_KV))
+
+
+def list_chunk_size(blocks_per_share: int, kernel_options: dict[str, Any]) -> int:
+    """LIST_CHUNK: kernel_options["LIST_CHUNK"] (a power of two >= 2), else
+    LIST_CHUNK_DEFAULT, or the power of two that holds a share's ``blocks_per_share``
+    blocks (at least 2) when that is smaller."""
+    pinned = kernel_options.get("LIST_CHUNK")
+    if pinned is not None:
+        if not isinstance(pinned, int) or isinstance(pinned, bool) or pinned < 2 or pinned & (pinned - 1):
+            raise DecodeOptionError(
+                f"flexattn: kernel_options LIST_CHUNK must be a power of two >= 2, got {pinned!r}")
+        return pinned
+    return max(2, min(LIST_CHUNK_DEFAULT, _next_power_of_two(blocks_per_share)))
 
 
 def fused_merge(kernel_options: dict[str, Any]) -> bool:
@@ -409,8 +439,10 @@ def lower_to_decode_template(
     smallest_step = min(cfg.block_n for cfg in usable)
     programs = _hint(B) * head_tiles * math.ceil(_hint(L) / pack.block_q)
     sms = multiprocessor_count(device)
+    max_blocks = math.ceil(_hint(S) / call.sparse_kv)
     split_kv = split_count(sms=sms, programs=programs,
-                           max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options)
+                           max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options,
+                           max_blocks=None if spec["DENSE_KV"] else max_blocks)
     usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, call.sparse_kv,
                                kernel_options)
 
@@ -454,6 +486,7 @@ def lower_to_decode_template(
         "BLOCK_M": pack.block_m,
         "SPLIT_KV": split_kv,
         "SPLIT_KV_PAD": _next_power_of_two(split_kv),
+        "LIST_CHUNK": list_chunk_size(math.ceil(max_blocks / split_kv), kernel_options),
         "FUSED_MERGE": fused,
         "IS_DIVISIBLE_N": known(sympy.Eq(sympy.Mod(S, call.sparse_kv), 0)),
     }
