@@ -25,6 +25,8 @@ achieved bandwidth as a fraction of the device copy bandwidth measured at the st
 the run, and the largest |difference| of the output from a float32 reference. Ratios
 flexattn / torch_flex and flexattn / sdpa per case (> 1 means flexattn is faster), and
 paged / contiguous: the time of flexattn_paged over flexattn's (the target is <= 1.05).
+``--pool-layouts heads,tokens`` also times ``flexattn_paged_tokens``, the same pool laid
+out token-major (``PagedKVCache.allocate(layout="tokens")``), with its own ratio column.
 
     python bench/bench_decode.py                          # the whole suite (~5-8 min)
     python bench/bench_decode.py --batches 1 --kv 32768   # a slice
@@ -61,7 +63,9 @@ import flexattn  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
 #: Implementations timed --rounds times in turn (the ones the targets' ratios compare).
-ROUND_ROBIN_IMPLS = ("flexattn", "flexattn_paged", "sdpa")
+#: The paged variant's name in the results, per pool layout.
+PAGED_IMPLS = {"heads": "flexattn_paged", "tokens": "flexattn_paged_tokens"}
+ROUND_ROBIN_IMPLS = ("flexattn", "flexattn_paged", "flexattn_paged_tokens", "sdpa")
 WINDOW = 1024
 SEED = 0
 
@@ -112,14 +116,14 @@ def logical_block_mask(case: Case, page: int, device: torch.device) -> flexattn.
                                       device=device, BLOCK_SIZE=(q_block, page))
 
 
-def paged_inputs(case: Case, k: torch.Tensor, v: torch.Tensor, page: int):
-    """k, v (B, Hkv, S, D) copied into a paged pool whose pages are handed out in random
-    order; returns (k_pool, v_pool, paged BlockMask)."""
+def paged_inputs(case: Case, k: torch.Tensor, v: torch.Tensor, page: int, layout: str = "heads"):
+    """k, v (B, Hkv, S, D) copied into a paged pool (PagedKVCache.allocate's ``layout``)
+    whose pages are handed out in random order; returns (k_pool, v_pool, paged BlockMask)."""
     device = k.device
     pages_per_sequence = math.ceil(case.S / page)
     cache = flexattn.PagedKVCache(case.B * pages_per_sequence, page, case.B, device=device)
     cache.shuffle_free_pages(torch.Generator().manual_seed(SEED))
-    k_pool, v_pool = cache.allocate(case.Hkv, case.D, k.dtype)
+    k_pool, v_pool = cache.allocate(case.Hkv, case.D, k.dtype, layout=layout)
     positions = torch.arange(case.S, device=device)[None]
     for b in range(case.B):
         cache.reserve(b, case.S)
@@ -195,11 +199,11 @@ def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]
         compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
         impls.append(("flexattn_main", lambda c=compiled: c(q, k, v, block_mask=masks["flexattn"], enable_gqa=True,
                                                             kernel_options={"FORCE_DECODE": False})))
-    if not args.no_paged:
-        k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size)
+    for layout in [] if args.no_paged else args.pool_layouts:
+        k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size, layout)
         compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
-        impls.append(("flexattn_paged", lambda c=compiled: c(q, k_pool, v_pool, block_mask=paged_mask,
-                                                             enable_gqa=True)))
+        impls.append((PAGED_IMPLS[layout], lambda c=compiled, kp=k_pool, vp=v_pool, m=paged_mask: c(
+            q, kp, vp, block_mask=m, enable_gqa=True)))
     compiled_torch = torch.compile(torch_flex.flex_attention, fullgraph=True, backend=args.compile_backend)
     impls.append(("torch_flex", lambda: compiled_torch(q, k, v, block_mask=masks["torch_flex"], enable_gqa=True)))
     if case.window is None:
@@ -258,13 +262,16 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
     for r in results:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
     impls = sorted({r["impl"] for r in results}, key=lambda n: (not n.startswith("flexattn"), n))
+    paged_columns = {impl: "paged/contiguous" + ("" if impl == PAGED_IMPLS["heads"] else f" ({layout})")
+                     for layout, impl in PAGED_IMPLS.items() if impl in impls}
     lines = [f"Decode suite on {gpu}; copy bandwidth "
              f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else f"Decode suite on {gpu}",
              "", "ms (cuda-graph ms) [fraction of copy bandwidth] per impl; ratios from the graph times "
              "when present (> 1: flexattn faster); paged/contiguous: flexattn_paged's time over "
-             "flexattn's (target <= 1.05)", "",
-             "| case | " + " | ".join(impls) + " | flexattn/torch_flex | flexattn/sdpa | paged/contiguous |",
-             "| --- |" + " --- |" * (len(impls) + 3)]
+             "flexattn's (target <= 1.05; tokens: the token-major pool's)", "",
+             "| case | " + " | ".join(impls) + " | flexattn/torch_flex | flexattn/sdpa | "
+             + " | ".join(paged_columns.values()) + " |",
+             "| --- |" + " --- |" * (len(impls) + 2 + len(paged_columns))]
 
     def best(r):
         if r is None or "error" in r:
@@ -290,8 +297,9 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
         for other in ("torch_flex", "sdpa"):
             theirs = best(cells.get(other))
             row.append(f"{theirs / ours:.2f}x" if ours and theirs else "")
-        paged = best(cells.get("flexattn_paged"))
-        row.append(f"{paged / ours:.3f}" if ours and paged else "")
+        for impl in paged_columns:
+            paged = best(cells.get(impl))
+            row.append(f"{paged / ours:.3f}" if ours and paged else "")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -307,14 +315,21 @@ def parse_args(argv):
     p.add_argument("--page-size", type=int, default=None,
                    help="tokens per page of the paged variant (default 128; 16 in the dry run)")
     p.add_argument("--no-paged", action="store_true", help="skip the paged-KV-cache variant")
+    p.add_argument("--pool-layouts", default="heads",
+                   help="comma list of PagedKVCache.allocate layouts timed (heads: flexattn_paged, "
+                        "tokens: flexattn_paged_tokens)")
     p.add_argument("--compile-backend", default=None)
     p.add_argument("--cpu-reps", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3,
-                   help="graph timings, taken in turn, of flexattn, flexattn_paged and sdpa (their median)")
+                   help="graph timings, taken in turn, of flexattn, the paged variants and sdpa (their median)")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, eager compile backend")
     args = p.parse_args(argv)
     args.split_kv = [int(x) for x in args.split_kv.split(",") if x]
+    args.pool_layouts = [x.strip() for x in args.pool_layouts.split(",") if x.strip()]
+    unknown = set(args.pool_layouts) - set(PAGED_IMPLS)
+    if unknown:
+        p.error(f"--pool-layouts: expected layouts from {sorted(PAGED_IMPLS)}, got {sorted(unknown)}")
     return args
 
 

@@ -65,6 +65,10 @@ def _values_checked(validate: bool) -> bool:
     return bool(validate) and not torch.compiler.is_compiling()
 
 
+#: Memory layouts PagedKVCache.allocate offers for the pool tensors.
+POOL_LAYOUTS = ("heads", "tokens")
+
+
 class PagedKVCache:
     """Page tables and free list of a pool of ``n_pages`` pages of ``page_size`` tokens,
     shared by up to ``max_slots`` sequences.
@@ -173,10 +177,22 @@ class PagedKVCache:
         self._free = [self._free[i] for i in order]
 
     def allocate(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
-                 value_head_dim: int | None = None) -> tuple[Tensor, Tensor]:
+                 value_head_dim: int | None = None, layout: str = "heads") -> tuple[Tensor, Tensor]:
         """Zero-filled pool tensors ``(k_cache, v_cache)`` of shape
         (1, num_kv_heads, pool_length, head_dim) (value_head_dim for v_cache) on the
-        cache's device: the layout ``append`` writes and ``flex_attention`` reads."""
+        cache's device: the layout ``append`` writes and ``flex_attention`` reads.
+
+        ``layout`` is how the pool lies in memory (the shape is the same):
+
+        * ``"heads"``: head-major, ``(1, H, pool_length, D)`` contiguous; a page of one
+          head is ``page_size * D`` contiguous elements, and one sequence's pages of
+          all its heads lie in ``H * pages`` separate places of the pool.
+        * ``"tokens"``: token-major, a transposed view of a contiguous
+          ``(1, pool_length, H, D)`` tensor; a page holds its tokens' keys (values) for
+          every head in one ``page_size * H * D`` run, so a sequence touches ``pages``
+          places, H times fewer (fewer address-translation entries when its pages lie
+          scattered over a large pool); each key row is still D contiguous elements.
+        """
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("value_head_dim", value_head_dim)):
@@ -184,9 +200,15 @@ class PagedKVCache:
                 raise ValueError(f"flexattn: PagedKVCache.allocate {name} must be a positive int, got {value!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"flexattn: PagedKVCache.allocate dtype must be a floating torch.dtype, got {dtype!r}")
-        k_cache = torch.zeros(1, num_kv_heads, self.pool_length, head_dim, dtype=dtype, device=self.device)
-        v_cache = torch.zeros(1, num_kv_heads, self.pool_length, value_head_dim, dtype=dtype, device=self.device)
-        return k_cache, v_cache
+        if layout not in POOL_LAYOUTS:
+            raise ValueError(f"flexattn: PagedKVCache.allocate layout must be one of {POOL_LAYOUTS}, got {layout!r}")
+
+        def pool(dim: int) -> Tensor:
+            if layout == "heads":
+                return torch.zeros(1, num_kv_heads, self.pool_length, dim, dtype=dtype, device=self.device)
+            return torch.zeros(1, self.pool_length, num_kv_heads, dim, dtype=dtype, device=self.device).transpose(1, 2)
+
+        return pool(head_dim), pool(value_head_dim)
 
     # ----------------------------------------------------------------------------------
     # Argument checks

@@ -27,6 +27,7 @@ from torch._inductor.utils import run_and_get_code
 import flexattn
 from flexattn import PagedKVCache, mods
 from flexattn._hop import dense_flex_attention
+from flexattn.paged import POOL_LAYOUTS
 
 from _numerics import assert_close_3way
 from conftest import DEVICE
@@ -60,11 +61,11 @@ class Sequences:
     """Random logical K/V of several sequences, written into a fresh pool page by page."""
 
     def __init__(self, cache: PagedKVCache, slots: list[int], lengths: list[int], Hkv: int, E: int,
-                 dtype: torch.dtype, seed: int, chunk: int = 10):
+                 dtype: torch.dtype, seed: int, chunk: int = 10, layout: str = "heads"):
         self.cache, self.slots, self.lengths = cache, slots, list(lengths)
         self.gen = torch.Generator().manual_seed(seed)
         self.dtype, self.Hkv, self.E = dtype, Hkv, E
-        self.k_cache, self.v_cache = cache.allocate(Hkv, E, dtype)
+        self.k_cache, self.v_cache = cache.allocate(Hkv, E, dtype, layout=layout)
         # Poison the pool with a large finite value: a position that is visible but was
         # never written wrecks the result (NaN would poison masked positions too: 0 * NaN).
         self.k_cache.fill_(300.0)
@@ -141,12 +142,12 @@ def paged_attention(cache, seqs, q, mask_mod, score_mod, *, q_block=16, options=
 
 
 def make_case(group: int, L: int, *, Hkv=2, E=16, page=16, lengths=(36, 100, 70), dtype=torch.float16,
-              window=48, seed=0, spare_pages=3):
+              window=48, seed=0, spare_pages=3, layout="heads"):
     lengths = [n + L for n in lengths]
     n_pages = sum(-(-n // page) for n in lengths) + spare_pages
     cache = PagedKVCache(n_pages=n_pages, page_size=page, max_slots=5, device=DEVICE)
     cache.shuffle_free_pages(torch.Generator().manual_seed(seed))   # pages in no particular order
-    seqs = Sequences(cache, [3, 0, 4][:len(lengths)], lengths, Hkv, E, dtype, seed)
+    seqs = Sequences(cache, [3, 0, 4][:len(lengths)], lengths, Hkv, E, dtype, seed, layout=layout)
     Hq = Hkv * group
     q = torch.randn(len(lengths), Hq, L, E, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
     seq_len = torch.tensor(lengths, device=DEVICE)
@@ -184,10 +185,13 @@ def test_reserve_free_reuse():
     assert "pages_in_use=3" in repr(cache)
 
 
-def test_append_writes_each_token_at_its_page():
+@pytest.mark.parametrize("layout", POOL_LAYOUTS)
+def test_append_writes_each_token_at_its_page(layout):
     cache = PagedKVCache(n_pages=6, page_size=4, max_slots=2, device=DEVICE)
-    k_cache, v_cache = cache.allocate(2, 8, torch.float32, value_head_dim=3)
+    k_cache, v_cache = cache.allocate(2, 8, torch.float32, value_head_dim=3, layout=layout)
     assert k_cache.shape == (1, 2, 24, 8) and v_cache.shape == (1, 2, 24, 3)
+    # heads: each head's pool positions contiguous; tokens: each position's heads contiguous.
+    assert k_cache.stride() == {"heads": (384, 192, 8, 1), "tokens": (384, 8, 16, 1)}[layout]
     cache.reserve(1, 3)
     cache.reserve(0, 6)
     cache.reserve(1, 7)                      # slot 1: pages [0, 3]; slot 0: pages [1, 2]
@@ -256,6 +260,7 @@ def _bad_inputs():
         ("block_mask must be on the cache's device", lambda: cache.block_mask_on_pages(bm.to("meta"), slots)),
         ("allocate dtype", lambda: cache.allocate(2, 8, torch.int32)),
         ("allocate head_dim", lambda: cache.allocate(2, 0)),
+        ("allocate layout must be one of", lambda: cache.allocate(2, 8, layout="pages")),
     ]
 
 
@@ -307,7 +312,8 @@ def test_blocks_beyond_reserved_pages_are_dropped():
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("L", [1, 3, 17, 64])
 def test_paged_matches_contiguous_dense_path(group, L):
-    cache, seqs, q, mask_mod, score_mod = make_case(group, L, seed=group * 100 + L)
+    layout = POOL_LAYOUTS[(group + L) % 2]
+    cache, seqs, q, mask_mod, score_mod = make_case(group, L, seed=group * 100 + L, layout=layout)
     out, lse = paged_attention(cache, seqs, q, mask_mod, score_mod)
     seqs.check("paged", q, out, lse, mask_mod, score_mod)
 
@@ -319,10 +325,16 @@ def test_paged_matches_contiguous_dense_path(group, L):
     (8, 5, {"FORCE_DECODE": False}),           # the main kernel on the pages
     (4, 1, {"USE_TMA": True}),                 # descriptor loads of the pool's pages
     (4, 1, {"LIST_CHUNK": 2}),                 # page indices two at a time: several chunks
-], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8", "decode-L1-gqa4-tma", "decode-L1-gqa4-chunk2"])
+    (2, 1, "tokens"),                          # token-major pool (two KV heads interleaved)
+], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8", "decode-L1-gqa4-tma", "decode-L1-gqa4-chunk2",
+        "decode-L1-gqa2-tokens"])
 def test_paged_matches_contiguous_kernels(group, L, options):
-    # Two sequences and one KV head keep the interpreter's work small.
-    cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=1, seed=group + L, lengths=(152, 70))
+    # Two sequences and one KV head keep the interpreter's work small; the token-major
+    # pool needs two heads to differ from the head-major one.
+    layout, Hkv = ("tokens", 2) if options == "tokens" else ("heads", 1)
+    options = None if options == "tokens" else options
+    cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=Hkv, seed=group + L, lengths=(152, 70),
+                                                    layout=layout)
     assert cache.pool_length >= 256             # long enough for the automatic decode choice
     (out, lse), code = run_and_get_code(paged_attention, cache, seqs, q, mask_mod, score_mod, options=options)
     mark = MAIN_MARK if options and options.get("FORCE_DECODE") is False else DECODE_MARK
