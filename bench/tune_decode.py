@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--tiles", default="64x4,128x4,128x8", help="BLOCK_N x num_warps pairs")
     parser.add_argument("--stages", default="3,4")
     parser.add_argument("--budget", type=float, default=1e9, help="stop starting new configs after this many s")
+    parser.add_argument("--top", type=int, default=4, help="configurations kept in the summary per case")
     parser.add_argument("--grid", default="{}", help="JSON: kernel_options key -> list of values, each config "
                         "is timed under every combination")
     args = parser.parse_args()
@@ -80,7 +81,7 @@ def main() -> None:
                 continue
             rows.append((ms, name))
         rows.sort()
-        for ms, name in rows[:4]:
+        for ms, name in rows[:args.top]:
             line = f"| {B} | {S} | {name} | {ms * 1e3:.1f} | {sdpa_ms * 1e3:.1f} | {sdpa_ms / ms:.2f} |"
             summary.append(line)
             print(line, flush=True)

@@ -122,6 +122,15 @@ RESIDENT_PROGRAMS_PER_SM = 3
 #: last, partly filled wave is a small part of the time (B=64, 512 tiles: 4 splits 487 us,
 #: 2 splits 502, none 553; SDPA 484).
 MIN_WAVES = 4
+#: A default-mask row of at least this many keys is long: its programs stream so many
+#: bytes that the split follows the memory system, not the latency of a short share.
+#: Fewer programs than multiprocessors then get one program per multiprocessor (B=8, KV
+#: 128k: 2 splits with 128-key steps 943.9-946.9 us where MIN_SPLIT_KV's 4 took 951.3,
+#: SDPA 947.0); a wave's worth or fewer tiles are split into MIN_WAVES waves instead of
+#: not at all (B=32, KV 128k: 8 splits 3748.6 us, unsplit 3778.7, SDPA 3757.3). H200,
+#: bench/tune_decode.py, CUDA-graph us; the same best configurations in session 10's sweep
+#: on another H200. At KV 32k neither gained over 0.5%, so the rule starts above it.
+LONG_ROW_KEYS = 65536
 #: KV step of a latency-bound call (no more programs than multiprocessors): wider steps
 #: put more bytes in flight per program (B=1 KV 32k: 40 us with 128, 49 with 64).
 LATENCY_BLOCK_N = 128
@@ -313,14 +322,18 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict[str, Any],
-                max_blocks: int | None = None) -> int:
+                max_blocks: int | None = None, dense_keys: int | None = None) -> int:
     """SPLIT_KV for ``programs`` tiles on ``sms`` multiprocessors (a wave: sms *
     RESIDENT_PROGRAMS_PER_SM programs at once):
 
     * fewer tiles than multiprocessors: PROGRAMS_PER_SM programs per multiprocessor and at
-      least MIN_SPLIT_KV splits, but no more programs than a wave;
-    * at least one tile per multiprocessor, within one wave: 1 (no split);
-    * more tiles than a wave: enough splits for MIN_WAVES waves;
+      least MIN_SPLIT_KV splits (unless the row is long), but no more programs than a wave;
+    * at least one tile per multiprocessor, within one wave: 1 (no split), unless the row
+      is long: then as beyond a wave;
+    * more tiles than a wave: enough splits for MIN_WAVES waves (a power of two);
+
+    a row is long when the call walks the default mask (``dense_keys``, its KV length) over
+    at least LONG_ROW_KEYS keys;
 
     each split keeping at least MIN_STEPS_PER_SPLIT steps of a dense row (of max_steps)
     and, where shares take whole blocks (every call with BlockMask lists), at least one
@@ -333,9 +346,12 @@ def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict
         return pinned
     programs = max(programs, 1)
     wave = sms * RESIDENT_PROGRAMS_PER_SM
-    if programs > wave:
-        # More tiles than one wave: enough splits for MIN_WAVES waves.
-        wanted = math.ceil(MIN_WAVES * wave / programs)
+    long_row = dense_keys is not None and dense_keys >= LONG_ROW_KEYS
+    if programs > wave or (long_row and programs >= sms):
+        # More tiles than one wave, or a wave's worth of long rows: MIN_WAVES waves, the
+        # split rounded up to a power of two (whole, equal shares of a power-of-two row;
+        # B=32, KV 128k: 7 splits 3919.9 us, 8 splits 3751.4, SDPA 3744.0).
+        wanted = _next_power_of_two(math.ceil(MIN_WAVES * wave / programs))
     elif programs >= sms:
         # The tiles alone fill the GPU in one wave: splitting would only add partials, a
         # merge and a second wave (B=32, 256 tiles, KV 8k: 1 split 242.4 us, 2 splits
@@ -344,7 +360,8 @@ def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict
     else:
         # Rounded down: one program past a whole number per SM is a second round; and no
         # more programs than one wave.
-        wanted = min(max(PROGRAMS_PER_SM * sms // programs, MIN_SPLIT_KV), max(wave // programs, 1))
+        least = 1 if long_row else MIN_SPLIT_KV
+        wanted = min(max(PROGRAMS_PER_SM * sms // programs, least), max(wave // programs, 1))
     useful = math.ceil(max_steps / MIN_STEPS_PER_SPLIT)
     if max_blocks is not None:
         useful = min(useful, max_blocks)
@@ -442,7 +459,8 @@ def lower_to_decode_template(
     max_blocks = math.ceil(_hint(S) / call.sparse_kv)
     split_kv = split_count(sms=sms, programs=programs,
                            max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options,
-                           max_blocks=None if spec["DENSE_KV"] else max_blocks)
+                           max_blocks=None if spec["DENSE_KV"] else max_blocks,
+                           dense_keys=_hint(S) if spec["DENSE_KV"] else None)
     usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, call.sparse_kv,
                                kernel_options)
 
