@@ -192,6 +192,8 @@ class PagedKVCache:
           every head in one ``page_size * H * D`` run, so a sequence touches ``pages``
           places, H times fewer (fewer address-translation entries when its pages lie
           scattered over a large pool); each key row is still D contiguous elements.
+          Measured slower in most decode cases (1.1-2.2x at B=1 on an H200, see
+          docs/guide.md), so "heads" is the default.
         """
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
