@@ -62,10 +62,10 @@ if str(REPO) not in sys.path:
 import flexattn  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
-#: Implementations timed --rounds times in turn (the ones the targets' ratios compare).
 #: The paged variant's name in the results, per pool layout.
 PAGED_IMPLS = {"heads": "flexattn_paged", "tokens": "flexattn_paged_tokens"}
-ROUND_ROBIN_IMPLS = ("flexattn", "flexattn_paged", "flexattn_paged_tokens", "sdpa")
+#: Implementations timed --rounds times in turn (the ones the targets' ratios compare).
+ROUND_ROBIN_IMPLS = ("flexattn", *PAGED_IMPLS.values(), "sdpa")
 WINDOW = 1024
 SEED = 0
 

@@ -319,20 +319,19 @@ def test_paged_matches_contiguous_dense_path(group, L):
 
 
 @kernel
-@pytest.mark.parametrize("group,L,options", [
-    (4, 1, None),                              # decode kernel, chosen automatically
-    (2, 17, None),                             # a prefill chunk through the decode kernel
-    (8, 5, {"FORCE_DECODE": False}),           # the main kernel on the pages
-    (4, 1, {"USE_TMA": True}),                 # descriptor loads of the pool's pages
-    (4, 1, {"LIST_CHUNK": 2}),                 # page indices two at a time: several chunks
-    (2, 1, "tokens"),                          # token-major pool (two KV heads interleaved)
+@pytest.mark.parametrize("group,L,options,layout", [
+    (4, 1, None, "heads"),                     # decode kernel, chosen automatically
+    (2, 17, None, "heads"),                    # a prefill chunk through the decode kernel
+    (8, 5, {"FORCE_DECODE": False}, "heads"),  # the main kernel on the pages
+    (4, 1, {"USE_TMA": True}, "heads"),        # descriptor loads of the pool's pages
+    (4, 1, {"LIST_CHUNK": 2}, "heads"),        # page indices two at a time: several chunks
+    (2, 1, None, "tokens"),                    # token-major pool (two KV heads interleaved)
 ], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8", "decode-L1-gqa4-tma", "decode-L1-gqa4-chunk2",
         "decode-L1-gqa2-tokens"])
-def test_paged_matches_contiguous_kernels(group, L, options):
+def test_paged_matches_contiguous_kernels(group, L, options, layout):
     # Two sequences and one KV head keep the interpreter's work small; the token-major
     # pool needs two heads to differ from the head-major one.
-    layout, Hkv = ("tokens", 2) if options == "tokens" else ("heads", 1)
-    options = None if options == "tokens" else options
+    Hkv = 2 if layout == "tokens" else 1
     cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=Hkv, seed=group + L, lengths=(152, 70),
                                                     layout=layout)
     assert cache.pool_length >= 256             # long enough for the automatic decode choice
