@@ -16,17 +16,29 @@ offset S-1). Implementations side by side in one run:
 * ``sdpa``         ``scaled_dot_product_attention(..., enable_gqa=True)``, default backend
   choice (no-mask cases only: SDPA has no sliding window)
 
-Each cell: median ms with ``triton.testing.do_bench`` (launch overhead included) and with
+Each cell: median ms with ``triton.testing.do_bench`` (launch overhead included), with
 ``do_bench_cudagraph`` (the kernels alone, replayed from a CUDA graph; ``--no-cudagraph``
-skips it; for flexattn, flexattn_paged and sdpa, whose ratios the targets are about, the
-median of ``--rounds`` graph timings taken in turn, since two captures of the same call
-can differ by 0.5-1 us at a few microseconds), the bytes that must be read (the visible K/V rows plus q and out) and the
-achieved bandwidth as a fraction of the device copy bandwidth measured at the start of
-the run, and the largest |difference| of the output from a float32 reference. Ratios
-flexattn / torch_flex and flexattn / sdpa per case (> 1 means flexattn is faster), and
-paged / contiguous: the time of flexattn_paged over flexattn's (the target is <= 1.05).
-``--pool-layouts heads,tokens`` also times ``flexattn_paged_tokens``, the same pool laid
-out token-major (``PagedKVCache.allocate(layout="tokens")``), with its own ratio column.
+skips it) and, for flexattn, the paged variants and sdpa (the implementations the
+targets compare), a *cold* graph timing; the bytes that must be read (the visible K/V rows
+plus q and out), the achieved bandwidth as a fraction of the device copy bandwidth
+measured at the start of the run, and the largest |difference| of the output from a
+float32 reference.
+
+Warm and cold. The warm graph timing replays one call on one cache, so a cache whose read
+bytes fit in the L2 cache (the sliding window at B <= 8, B=1 without a mask at 2k-8k) is
+read from L2 after the first replay. In a model every layer reads its own cache once per
+step, so a decode step finds none of it in L2: the cold timing gives each call another
+copy of the cache (pool, for the paged variants), cycling through enough copies that
+their read bytes span COLD_L2_SPAN times the L2 cache (``cold_copies``; ``--warm-only``
+skips it). For the compared implementations both graph timings are the median of
+``--rounds`` timings taken in turn (two captures of the same call can differ by 0.5-1 us
+at a few microseconds).
+
+Ratios per case (> 1 means flexattn is faster): flexattn / torch_flex (warm), flexattn /
+sdpa, warm and cold; paged / contiguous, warm and cold: the time of flexattn_paged over
+flexattn's (the target is <= 1.05). ``--pool-layouts heads,tokens`` also times
+``flexattn_paged_tokens``, the same pool laid out token-major
+(``PagedKVCache.allocate(layout="tokens")``), with its own ratio columns.
 
     python bench/bench_decode.py                          # the whole suite (~5-8 min)
     python bench/bench_decode.py --batches 1 --kv 32768   # a slice
@@ -42,6 +54,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
+import itertools
 import json
 import math
 import platform
@@ -68,6 +82,11 @@ PAGED_IMPLS = {"heads": "flexattn_paged", "tokens": "flexattn_paged_tokens"}
 ROUND_ROBIN_IMPLS = ("flexattn", *PAGED_IMPLS.values(), "sdpa")
 WINDOW = 1024
 SEED = 0
+#: Cold timing: the copies of the cache a call cycles through hold at least this many
+#: times the L2 cache's bytes between two reads of one copy ...
+COLD_L2_SPAN = 4
+#: ... within this fraction of the free device memory (fewer copies if they do not fit).
+COLD_MEMORY_FRACTION = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +151,24 @@ def paged_inputs(case: Case, k: torch.Tensor, v: torch.Tensor, page: int, layout
     return k_pool, v_pool, cache.block_mask_on_pages(logical_block_mask(case, page, device), slots)
 
 
+def cold_copies(touched_bytes: int, copy_bytes: int, l2_bytes: int, free_bytes: int) -> int:
+    """Copies of the KV cache that the cold timing cycles through: enough that the bytes
+    one call reads (``touched_bytes``), over all copies, span COLD_L2_SPAN times the L2
+    cache (so that no call finds its keys in L2, as in a model whose layers each read
+    their own cache once per step), as many as fit in COLD_MEMORY_FRACTION of
+    ``free_bytes`` at ``copy_bytes`` per extra copy; at least 1 (the cache itself)."""
+    wanted = math.ceil(COLD_L2_SPAN * l2_bytes / max(touched_bytes, 1))
+    fits = 1 + int(COLD_MEMORY_FRACTION * free_bytes // max(copy_bytes, 1))
+    return max(1, min(wanted, fits))
+
+
+def cycling(call: Callable[[int], Any], copies: int) -> Callable[[], Any]:
+    """A zero-argument call that runs ``call`` on copy 0, 1, ..., copies - 1, 0, ... in turn
+    (a CUDA graph captured from it replays the copies in that order)."""
+    counter = itertools.count()
+    return lambda: call(next(counter) % copies)
+
+
 def copy_bandwidth(device: torch.device) -> float | None:
     """Device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
     if device.type != "cuda":
@@ -188,30 +225,38 @@ def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]
     kv_rows = case.S if case.window is None else min(case.S, (math.ceil(case.window / 128) + 1) * 128)
     nbytes = (2 * case.B * case.Hkv * kv_rows * case.D + 2 * case.B * case.Hq * case.D) * q.element_size()
 
-    impls: list[tuple[str, Callable[[], torch.Tensor]]] = []
+    # Each implementation is a call of a copy index: copy 0 is the cache above; the cold
+    # timing adds copies (cold_copies) and cycles through them.
+    kv = [(k, v)]
+    pools: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    impls: list[tuple[str, Callable[[int], torch.Tensor]]] = []
     for split in args.split_kv or [None]:
         options = {} if split is None else {"SPLIT_KV": split}
         name = "flexattn" if split is None else f"flexattn_split{split}"
         compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
-        impls.append((name, lambda c=compiled, o=options: c(q, k, v, block_mask=masks["flexattn"], enable_gqa=True,
-                                                               kernel_options=o or None)))
+        impls.append((name, lambda i, c=compiled, o=options: c(q, *kv[i], block_mask=masks["flexattn"],
+                                                                  enable_gqa=True, kernel_options=o or None)))
     if args.with_main:
         compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
-        impls.append(("flexattn_main", lambda c=compiled: c(q, k, v, block_mask=masks["flexattn"], enable_gqa=True,
-                                                            kernel_options={"FORCE_DECODE": False})))
+        impls.append(("flexattn_main", lambda i, c=compiled: c(q, *kv[i], block_mask=masks["flexattn"],
+                                                               enable_gqa=True,
+                                                               kernel_options={"FORCE_DECODE": False})))
     for layout in [] if args.no_paged else args.pool_layouts:
         k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size, layout)
+        pools[layout] = [(k_pool, v_pool)]
         compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
-        impls.append((PAGED_IMPLS[layout], lambda c=compiled, kp=k_pool, vp=v_pool, m=paged_mask: c(
-            q, kp, vp, block_mask=m, enable_gqa=True)))
+        impls.append((PAGED_IMPLS[layout], lambda i, c=compiled, p=pools[layout], m=paged_mask: c(
+            q, *p[i], block_mask=m, enable_gqa=True)))
     compiled_torch = torch.compile(torch_flex.flex_attention, fullgraph=True, backend=args.compile_backend)
-    impls.append(("torch_flex", lambda: compiled_torch(q, k, v, block_mask=masks["torch_flex"], enable_gqa=True)))
+    impls.append(("torch_flex", lambda i: compiled_torch(q, *kv[i], block_mask=masks["torch_flex"],
+                                                         enable_gqa=True)))
     if case.window is None:
-        impls.append(("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
+        impls.append(("sdpa", lambda i: F.scaled_dot_product_attention(q, *kv[i], enable_gqa=True)))
 
     records = []
-    timed: dict[str, Callable[[], torch.Tensor]] = {}
-    for name, fn in impls:
+    timed: dict[str, Callable[[int], torch.Tensor]] = {}
+    for name, call in impls:
+        fn = functools.partial(call, 0)
         record: dict[str, Any] = {"case": case.name, "impl": name, **dataclasses.asdict(case), "bytes": nbytes}
         torch._dynamo.reset()
         try:
@@ -226,29 +271,54 @@ def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]
                 record["ms_graph"] = time_ms(fn, device, True, args.cpu_reps)
                 if name in ROUND_ROBIN_IMPLS:
                     record["ms_graph_rounds"] = [record["ms_graph"]]
-                    timed[name] = fn
+                    timed[name] = call
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             record["error"] = error_text(e)
             print(f"warning: {case.name} {name}: {record['error']}", file=sys.stderr)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         records.append(record)
-    # More graph timings of the impls the targets compare, in turn (each call compiled
-    # again once after the resets above, from the warm caches, before any timing).
-    if args.rounds > 1:
-        for fn in timed.values():
-            fn()
-        if timed:
-            torch.cuda.synchronize(device)
-    for _ in range(args.rounds - 1):
+    copies = 1
+    if timed and not args.warm_only:
+        torch.cuda.empty_cache()
+        copy_set = sum(t.untyped_storage().nbytes() for t in (k, v))
+        copy_set += sum(t.untyped_storage().nbytes() for pair in pools.values() for t in pair[0])
+        copies = cold_copies(nbytes, copy_set, torch.cuda.get_device_properties(device).L2_cache_size,
+                             torch.cuda.mem_get_info(device)[0])
+        kv += [(k.clone(), v.clone()) for _ in range(copies - 1)]
+        for pairs in pools.values():
+            pairs += [(pairs[0][0].clone(), pairs[0][1].clone()) for _ in range(copies - 1)]
         for record in records:
             if record["impl"] in timed:
-                record["ms_graph_rounds"].append(time_ms(timed[record["impl"]], device, True, args.cpu_reps))
+                record["cold_copies"] = copies
+                record["ms_graph_cold_rounds"] = []
+    # More graph timings of the impls the targets compare, in turn (each call compiled
+    # again once after the resets above, from the warm caches, before any timing): warm
+    # (copy 0 every call) and, unless --warm-only, cold (the copies in turn).
+    if timed:
+        for call in timed.values():
+            for i in range(copies):
+                call(i)
+        torch.cuda.synchronize(device)
+    for round_ in range(max(args.rounds, 1)):
+        for record in records:
+            call = timed.get(record["impl"])
+            if call is None:
+                continue
+            if round_ > 0:
+                record["ms_graph_rounds"].append(time_ms(functools.partial(call, 0), device, True, args.cpu_reps))
+            if "ms_graph_cold_rounds" in record:
+                record["ms_graph_cold_rounds"].append(time_ms(cycling(call, copies), device, True, args.cpu_reps))
     for record in records:
         if "error" in record:
             continue
         if "ms_graph_rounds" in record:
             record["ms_graph"] = statistics.median(record["ms_graph_rounds"])
+        if record.get("ms_graph_cold_rounds"):
+            record["ms_graph_cold"] = statistics.median(record["ms_graph_cold_rounds"])
+            record["GBps_cold"] = nbytes / (record["ms_graph_cold"] * 1e-3) / 1e9
+            if bandwidth:
+                record["copy_bw_fraction_cold"] = nbytes / (record["ms_graph_cold"] * 1e-3) / bandwidth
         best = min(record.get("ms_graph", math.inf), record["ms"])
         record["GBps"] = nbytes / (best * 1e-3) / 1e9
         if bandwidth:
@@ -262,21 +332,29 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
     for r in results:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
     impls = sorted({r["impl"] for r in results}, key=lambda n: (not n.startswith("flexattn"), n))
-    paged_columns = {impl: "paged/contiguous" + ("" if impl == PAGED_IMPLS["heads"] else f" ({layout})")
-                     for layout, impl in PAGED_IMPLS.items() if impl in impls}
+    paged_impls = {impl: "" if impl == PAGED_IMPLS["heads"] else f" ({layout})"
+                   for layout, impl in PAGED_IMPLS.items() if impl in impls}
+    ratio_columns = ["flexattn/torch_flex", "flexattn/sdpa", "flexattn/sdpa cold"]
+    for suffix in paged_impls.values():
+        ratio_columns += [f"paged/contiguous{suffix}", f"paged/contiguous cold{suffix}"]
     lines = [f"Decode suite on {gpu}; copy bandwidth "
              f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else f"Decode suite on {gpu}",
-             "", "ms (cuda-graph ms) [fraction of copy bandwidth] per impl; ratios from the graph times "
-             "when present (> 1: flexattn faster); paged/contiguous: flexattn_paged's time over "
-             "flexattn's (target <= 1.05; tokens: the token-major pool's)", "",
-             "| case | " + " | ".join(impls) + " | flexattn/torch_flex | flexattn/sdpa | "
-             + " | ".join(paged_columns.values()) + " |",
-             "| --- |" + " --- |" * (len(impls) + 2 + len(paged_columns))]
+             "", "ms (cuda-graph ms, warm L2) {cold: each call on another copy of the cache, x copies} "
+             "[fraction of copy bandwidth, cold when timed] per impl; ratios from the graph times when "
+             "present (> 1: flexattn faster); paged/contiguous: flexattn_paged's time over flexattn's "
+             "(target <= 1.05; tokens: the token-major pool's)", "",
+             "| case | " + " | ".join(impls) + " | " + " | ".join(ratio_columns) + " |",
+             "| --- |" + " --- |" * (len(impls) + len(ratio_columns))]
 
-    def best(r):
+    def best(r, key="ms_graph"):
         if r is None or "error" in r:
             return None
+        if key == "ms_graph_cold":
+            return r.get(key)
         return r.get("ms_graph", r.get("ms"))
+
+    def ratio(theirs, ours, fmt):
+        return format(theirs / ours, fmt) if ours and theirs else ""
 
     for case, cells in by_case.items():
         row = [case]
@@ -290,16 +368,20 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
                 text = f"{r['ms']:.3f}"
                 if "ms_graph" in r:
                     text += f" ({r['ms_graph']:.3f})"
-                if "copy_bw_fraction" in r:
-                    text += f" [{r['copy_bw_fraction']:.2f}]"
+                if "ms_graph_cold" in r:
+                    text += f" {{{r['ms_graph_cold']:.3f} x{r['cold_copies']}}}"
+                fraction = r.get("copy_bw_fraction_cold", r.get("copy_bw_fraction"))
+                if fraction is not None:
+                    text += f" [{fraction:.2f}]"
                 row.append(text)
-        ours = best(cells.get("flexattn"))
-        for other in ("torch_flex", "sdpa"):
-            theirs = best(cells.get(other))
-            row.append(f"{theirs / ours:.2f}x" if ours and theirs else "")
-        for impl in paged_columns:
-            paged = best(cells.get(impl))
-            row.append(f"{paged / ours:.3f}" if ours and paged else "")
+        flex = cells.get("flexattn")
+        for other, key, fmt in (("torch_flex", "ms_graph", ".2f"), ("sdpa", "ms_graph", ".3f"),
+                                ("sdpa", "ms_graph_cold", ".3f")):
+            text = ratio(best(cells.get(other), key), best(flex, key), fmt)
+            row.append(text + "x" if text else "")
+        for impl in paged_impls:
+            for key in ("ms_graph", "ms_graph_cold"):
+                row.append(ratio(best(cells.get(impl), key), best(flex, key), ".3f"))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -322,6 +404,8 @@ def parse_args(argv):
     p.add_argument("--cpu-reps", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3,
                    help="graph timings, taken in turn, of flexattn, the paged variants and sdpa (their median)")
+    p.add_argument("--warm-only", action="store_true",
+                   help="skip the cold graph timings (each call on another copy of the cache)")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, eager compile backend")
     args = p.parse_args(argv)

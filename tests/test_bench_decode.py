@@ -60,15 +60,43 @@ def test_markdown_has_the_paged_ratio(dry_run):
     lines = report["markdown"].splitlines()
     header = next(line for line in lines if line.startswith("| case |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
-    assert "flexattn_paged" in columns and columns[-1] == "paged/contiguous"
+    assert "flexattn_paged" in columns and columns[-2:] == ["paged/contiguous", "paged/contiguous cold"]
+    at = columns.index("paged/contiguous")
     rows = [line for line in lines if line.startswith("| b")]
     assert len(rows) == 4
     for row in rows:
-        ratio = row.strip("|").split("|")[-1].strip()
-        assert float(ratio) > 0, row
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == len(columns), row
+        # The CPU run has no graph timings, so no cold ones.
+        assert float(cells[at]) > 0 and cells[at + 1] == "", row
 
 
 def test_paging_options():
     args = bench.parse_args(["--dry-run", "--page-size", "32", "--no-paged"])
     assert args.page_size == 32 and args.no_paged
     assert bench.parse_args([]).page_size is None and not bench.parse_args([]).no_paged
+
+
+def test_cold_copies_span_the_l2_cache_within_memory():
+    l2 = 50 << 20
+    # Read bytes over 4 L2 caches: the cache alone is cold.
+    assert bench.cold_copies(17 << 30, 17 << 30, l2, 100 << 30) == 1
+    # A 37.7 MB window: 6 copies span 226 MB >= 200 MB.
+    touched = 37_748_736
+    copies = bench.cold_copies(touched, 4 << 30, l2, 100 << 30)
+    assert copies == 6 and copies * touched >= bench.COLD_L2_SPAN * l2 > (copies - 1) * touched
+    # Memory caps the copies: half of 10 GiB holds one 4 GiB copy beside the cache.
+    assert bench.cold_copies(touched, 4 << 30, l2, 10 << 30) == 2
+    assert bench.cold_copies(touched, 4 << 30, l2, 1 << 30) == 1
+
+
+def test_cycling_calls_the_copies_in_turn():
+    seen = []
+    fn = bench.cycling(seen.append, 3)
+    for _ in range(7):
+        fn()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_warm_only_option():
+    assert bench.parse_args(["--warm-only"]).warm_only and not bench.parse_args([]).warm_only
