@@ -43,10 +43,11 @@ only affects speed, every choice is correct for every size):
   ``kernel_options["LIST_CHUNK"]`` pins it;
 * the KV step (``DecodeConfig``): BLOCK_N, warps and stages from ``DEFAULTS`` (plus
   ``AUTOTUNE_CANDIDATES`` under max_autotune), widened to ``LATENCY_BLOCK_N`` for 16-bit
-  calls with no more programs than multiprocessors; ``kernel_options`` ``BLOCK_N``,
-  ``num_warps`` and ``num_stages`` (the keys the forward kernel reads too) pin them.
-  ``BLOCK_M`` and the ``fwd_*`` keys tile the main kernel only: the decode tile's rows
-  follow from the packing;
+  calls with no more programs than multiprocessors, or ``STREAM_CONFIG`` (128-key steps
+  2 deep) for long unsplit default-mask rows on sm90 (``stream_step``);
+  ``kernel_options`` ``BLOCK_N``, ``num_warps`` and ``num_stages`` (the keys the forward
+  kernel reads too) pin them. ``BLOCK_M`` and the ``fwd_*`` keys tile the main kernel
+  only: the decode tile's rows follow from the packing;
 * the merge (``fused_merge``): ``kernel_options["FUSED_MERGE"]`` as above;
 * DENSE_KV: when flex_attention built the default mask itself (``block_mask=None``;
   ``block_mask.DEFAULT_MASK_KEY`` in kernel_options), the kernel takes no BlockMask
@@ -134,6 +135,16 @@ LONG_ROW_KEYS = 65536
 #: KV step of a latency-bound call (no more programs than multiprocessors): wider steps
 #: put more bytes in flight per program (B=1 KV 32k: 40 us with 128, 49 with 64).
 LATENCY_BLOCK_N = 128
+#: An unsplit default-mask call (one program per tile, at least as many tiles as
+#: multiprocessors) over rows of at least this many keys streams them in STREAM_CONFIG's
+#: steps on sm90, in place of the table's default: 128-key steps 2 deep (one program per
+#: multiprocessor at D=128, each asking for 64 KB of contiguous K and V rows per step).
+#: H200, bench/ab_decode.py, five CUDA-graph timings in turn, median us, default (64, 4, 3)
+#: / STREAM_CONFIG / SDPA: B=32 KV 16k 479.1 / 476.9 / 476.2, 32k 954.9 / 946.3 / 951.5,
+#: B=24 32k 729.6 / 727.3 / 766.8, B=40 32k 1277.2 / 1257.5 / 1355.6. At KV 8k 128-key
+#: steps were slower (B=32: 8 warps 2 deep 243.9, 4 warps 3 deep 236.5 against the
+#: default's 241.6 and 235.9 on two machines), so the rule starts at 16k.
+STREAM_KEYS = 16384
 #: A share of a row's KV steps is at least this many BLOCK_N steps (when the row has them).
 MIN_STEPS_PER_SPLIT = 2
 #: Upper bound of SPLIT_KV (the partial results grow with it).
@@ -205,6 +216,9 @@ DEFAULTS: dict[tuple[str, int, str], DecodeConfig] = {
     ("generic", 128, "fp32"): DecodeConfig(32, 4, 2),
     ("generic", 256, "fp32"): DecodeConfig(32, 4, 2),
 }
+
+#: The step of long unsplit default-mask rows on sm90 (STREAM_KEYS).
+STREAM_CONFIG = DecodeConfig(128, 4, 2)
 
 AUTOTUNE_CANDIDATES: tuple[DecodeConfig, ...] = (
     DecodeConfig(32, 2, 4),
@@ -424,6 +438,22 @@ def widen_for_latency(usable: list[DecodeConfig], programs: int, sms: int, keys_
     return widened
 
 
+def stream_step(usable: list[DecodeConfig], *, generation: str, programs: int, sms: int, split_kv: int,
+                dense_keys: int | None, dtype, qk_dim_pad: int, sparse_kv: int,
+                kernel_options: dict[str, Any]) -> list[DecodeConfig]:
+    """The configs with the default (the first) replaced by STREAM_CONFIG when the call
+    streams long rows unsplit: sm90, 16-bit, the QK head dim in the table's 128 row, the
+    default mask over at least STREAM_KEYS keys (``dense_keys``), one share per tile
+    (``split_kv`` 1) and at least one tile per multiprocessor, STREAM_CONFIG's step
+    dividing the BlockMask's KV block, and no BLOCK_N, num_warps or num_stages pinned."""
+    if (DecodeConfig.pinned_fields(kernel_options) or generation != "sm90"
+            or dtype not in (torch.float16, torch.bfloat16) or cfgs.head_dim_bucket(qk_dim_pad) != 128
+            or dense_keys is None
+            or dense_keys < STREAM_KEYS or split_kv != 1 or programs < sms or sparse_kv % STREAM_CONFIG.block_n):
+        return usable
+    return [STREAM_CONFIG, *(cfg for cfg in usable[1:] if cfg != STREAM_CONFIG)]
+
+
 # --------------------------------------------------------------------------------------
 # The lowering proper
 # --------------------------------------------------------------------------------------
@@ -463,6 +493,9 @@ def lower_to_decode_template(
                            dense_keys=_hint(S) if spec["DENSE_KV"] else None)
     usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, call.sparse_kv,
                                kernel_options)
+    usable = stream_step(usable, generation=cfgs.gpu_generation(device), programs=programs, sms=sms,
+                         split_kv=split_kv, dense_keys=_hint(S) if spec["DENSE_KV"] else None, dtype=dtype,
+                         qk_dim_pad=spec["QK_HEAD_DIM_PAD"], sparse_kv=call.sparse_kv, kernel_options=kernel_options)
 
     # One launch unless FUSED_MERGE=False asks for the merge pass (one share needs none).
     fused = split_kv == 1 or fused_merge(kernel_options)
