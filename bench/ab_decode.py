@@ -1,7 +1,7 @@
 """A/B timing of decode kernel_options variants beside SDPA, round-robin.
 
     python bench/ab_decode.py --cases 32x8192,32x32768 \
-        --variants '{"default": {}, "stagger": {"STAGGER_KV": true}}' [--rounds 5]
+        --variants '{"default": {}, "wide": {"BLOCK_N": 128, "num_stages": 2}}' [--rounds 5]
 
 One query token at position S-1 against a KV cache of S tokens (case ``BxS``), 32 query
 heads on 8 KV heads, D=128, bf16, no mask (flex_attention's default mask). Each variant is

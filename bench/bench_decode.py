@@ -29,8 +29,9 @@ bytes fit in the L2 cache (the sliding window at B <= 8, B=1 without a mask at 2
 read from L2 after the first replay. In a model every layer reads its own cache once per
 step, so a decode step finds none of it in L2: the cold timing gives each call another
 copy of the cache (pool, for the paged variants), cycling through enough copies that
-their read bytes span COLD_L2_SPAN times the L2 cache (``cold_copies``; ``--warm-only``
-skips it). For the compared implementations both graph timings are the median of
+their read bytes span COLD_L2_SPAN times the L2 cache, or as many as fit in
+COLD_MEMORY_FRACTION of the free memory (``cold_copies``; a warning says when that is
+fewer; ``--warm-only`` skips the cold timings and their columns). For the compared implementations both graph timings are the median of
 ``--rounds`` timings taken in turn (two captures of the same call can differ by 0.5-1 us
 at a few microseconds).
 
@@ -280,35 +281,56 @@ def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]
         records.append(record)
     copies = 1
     if timed and not args.warm_only:
+        # Copies of what the timed calls read: the cache (flexattn, sdpa) and the pools of
+        # the timed paged variants.
         torch.cuda.empty_cache()
+        timed_pools = [pairs for layout, pairs in pools.items() if PAGED_IMPLS[layout] in timed]
         copy_set = sum(t.untyped_storage().nbytes() for t in (k, v))
-        copy_set += sum(t.untyped_storage().nbytes() for pair in pools.values() for t in pair[0])
-        copies = cold_copies(nbytes, copy_set, torch.cuda.get_device_properties(device).L2_cache_size,
-                             torch.cuda.mem_get_info(device)[0])
+        copy_set += sum(t.untyped_storage().nbytes() for pairs in timed_pools for t in pairs[0])
+        l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+        copies = cold_copies(nbytes, copy_set, l2_bytes, torch.cuda.mem_get_info(device)[0])
+        if copies * nbytes < COLD_L2_SPAN * l2_bytes:
+            print(f"warning: {case.name}: {copies} copies of the cache fit in memory, spanning "
+                  f"{copies * nbytes / l2_bytes:.1f} L2 caches; the cold timings may find some keys in L2",
+                  file=sys.stderr)
         kv += [(k.clone(), v.clone()) for _ in range(copies - 1)]
-        for pairs in pools.values():
+        for pairs in timed_pools:
             pairs += [(pairs[0][0].clone(), pairs[0][1].clone()) for _ in range(copies - 1)]
         for record in records:
             if record["impl"] in timed:
                 record["cold_copies"] = copies
+                record["cold_l2_span"] = copies * nbytes / l2_bytes
                 record["ms_graph_cold_rounds"] = []
     # More graph timings of the impls the targets compare, in turn (each call compiled
     # again once after the resets above, from the warm caches, before any timing): warm
-    # (copy 0 every call) and, unless --warm-only, cold (the copies in turn).
-    if timed:
-        for call in timed.values():
-            for i in range(copies):
-                call(i)
-        torch.cuda.synchronize(device)
+    # (copy 0 every call) and, unless --warm-only, cold (the copies in turn). A call that
+    # fails here ends that impl's timings with an error in its record; the run goes on.
+    by_impl = {record["impl"]: record for record in records}
+
+    def timing_failed(name: str, error: Exception) -> None:
+        by_impl[name]["error"] = error_text(error)
+        print(f"warning: {case.name} {name}: {by_impl[name]['error']}", file=sys.stderr)
+        del timed[name]
+
+    if timed and (args.rounds > 1 or copies > 1):
+        for name, call in list(timed.items()):
+            try:
+                for i in range(copies):
+                    call(i)
+                torch.cuda.synchronize(device)
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                timing_failed(name, e)
     for round_ in range(max(args.rounds, 1)):
-        for record in records:
-            call = timed.get(record["impl"])
-            if call is None:
-                continue
-            if round_ > 0:
-                record["ms_graph_rounds"].append(time_ms(functools.partial(call, 0), device, True, args.cpu_reps))
-            if "ms_graph_cold_rounds" in record:
-                record["ms_graph_cold_rounds"].append(time_ms(cycling(call, copies), device, True, args.cpu_reps))
+        for name, call in list(timed.items()):
+            record = by_impl[name]
+            try:
+                if round_ > 0:
+                    record["ms_graph_rounds"].append(
+                        time_ms(functools.partial(call, 0), device, True, args.cpu_reps))
+                if "ms_graph_cold_rounds" in record:
+                    record["ms_graph_cold_rounds"].append(time_ms(cycling(call, copies), device, True, args.cpu_reps))
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                timing_failed(name, e)
     for record in records:
         if "error" in record:
             continue
@@ -334,9 +356,12 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
     impls = sorted({r["impl"] for r in results}, key=lambda n: (not n.startswith("flexattn"), n))
     paged_impls = {impl: "" if impl == PAGED_IMPLS["heads"] else f" ({layout})"
                    for layout, impl in PAGED_IMPLS.items() if impl in impls}
-    ratio_columns = ["flexattn/torch_flex", "flexattn/sdpa", "flexattn/sdpa cold"]
+    # The cold columns when some cell has a cold timing (none with --warm-only or on the CPU).
+    timings = ["ms_graph", "ms_graph_cold"] if any("ms_graph_cold" in r for r in results) else ["ms_graph"]
+    cold = " cold" if len(timings) > 1 else None
+    ratio_columns = ["flexattn/torch_flex", "flexattn/sdpa", *([f"flexattn/sdpa{cold}"] if cold else [])]
     for suffix in paged_impls.values():
-        ratio_columns += [f"paged/contiguous{suffix}", f"paged/contiguous cold{suffix}"]
+        ratio_columns += [f"paged/contiguous{suffix}", *([f"paged/contiguous{cold}{suffix}"] if cold else [])]
     lines = [f"Decode suite on {gpu}; copy bandwidth "
              f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else f"Decode suite on {gpu}",
              "", "ms (cuda-graph ms, warm L2) {cold: each call on another copy of the cache, x copies} "
@@ -375,12 +400,11 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
                     text += f" [{fraction:.2f}]"
                 row.append(text)
         flex = cells.get("flexattn")
-        for other, key, fmt in (("torch_flex", "ms_graph", ".2f"), ("sdpa", "ms_graph", ".3f"),
-                                ("sdpa", "ms_graph_cold", ".3f")):
+        for other, key, fmt in (("torch_flex", "ms_graph", ".2f"), *(("sdpa", key, ".3f") for key in timings)):
             text = ratio(best(cells.get(other), key), best(flex, key), fmt)
             row.append(text + "x" if text else "")
         for impl in paged_impls:
-            for key in ("ms_graph", "ms_graph_cold"):
+            for key in timings:
                 row.append(ratio(best(cells.get(impl), key), best(flex, key), ".3f"))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
@@ -403,7 +427,8 @@ def parse_args(argv):
     p.add_argument("--compile-backend", default=None)
     p.add_argument("--cpu-reps", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3,
-                   help="graph timings, taken in turn, of flexattn, the paged variants and sdpa (their median)")
+                   help="graph timings, warm and cold, taken in turn, of flexattn, the paged variants and sdpa "
+                        "(their median)")
     p.add_argument("--warm-only", action="store_true",
                    help="skip the cold graph timings (each call on another copy of the cache)")
     p.add_argument("--out", default=None)

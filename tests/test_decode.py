@@ -723,16 +723,18 @@ def test_widen_for_latency():
 
 def test_stream_step():
     """Long unsplit default-mask rows on sm90 take STREAM_CONFIG in place of the default
-    (the autotuning candidates stay); anything else keeps the table's configs."""
-    base = [dec.DecodeConfig(64, 4, 3), *dec.AUTOTUNE_CANDIDATES]
-    call = dict(generation="sm90", programs=256, sms=132, split_kv=1, dense_keys=32768, dtype=torch.bfloat16,
+    (under autotuning the other candidates, the default among them, stay); anything else
+    keeps the table's configs."""
+    default = dec.DecodeConfig(64, 4, 3)
+    call = dict(generation="sm90", tiles=256, sms=132, split_kv=1, dense_keys=32768, dtype=torch.bfloat16,
                 qk_dim_pad=128, sparse_kv=128, kernel_options={})
-    streamed = dec.stream_step(base, **call)
-    assert streamed[0] == dec.STREAM_CONFIG and base[0] not in streamed
-    assert set(streamed[1:]) == set(dec.AUTOTUNE_CANDIDATES) - {dec.STREAM_CONFIG}
-    assert dec.stream_step(base, **{**call, "dense_keys": dec.STREAM_KEYS})[0] == dec.STREAM_CONFIG
-    for change in ({"generation": "sm80"}, {"programs": 64}, {"split_kv": 8}, {"dense_keys": None},
+    assert dec.stream_step([default], **call) == [dec.STREAM_CONFIG]
+    autotuned = dec.stream_step([default, *dec.AUTOTUNE_CANDIDATES], **call)
+    assert autotuned[0] == dec.STREAM_CONFIG
+    assert set(autotuned[1:]) == {default, *dec.AUTOTUNE_CANDIDATES} - {dec.STREAM_CONFIG}
+    assert dec.stream_step([default], **{**call, "dense_keys": dec.STREAM_KEYS}) == [dec.STREAM_CONFIG]
+    for change in ({"generation": "sm80"}, {"tiles": 132}, {"tiles": 64}, {"split_kv": 8}, {"dense_keys": None},
                    {"dense_keys": dec.STREAM_KEYS - 1}, {"dtype": torch.float32}, {"qk_dim_pad": 64},
                    {"qk_dim_pad": 256}, {"sparse_kv": 64}, {"kernel_options": {"num_stages": 3}},
                    {"kernel_options": {"BLOCK_N": 64}}):
-        assert dec.stream_step(base, **{**call, **change}) == base, change
+        assert dec.stream_step([default], **{**call, **change}) == [default], change

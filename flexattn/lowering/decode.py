@@ -135,15 +135,17 @@ LONG_ROW_KEYS = 65536
 #: KV step of a latency-bound call (no more programs than multiprocessors): wider steps
 #: put more bytes in flight per program (B=1 KV 32k: 40 us with 128, 49 with 64).
 LATENCY_BLOCK_N = 128
-#: An unsplit default-mask call (one program per tile, at least as many tiles as
-#: multiprocessors) over rows of at least this many keys streams them in STREAM_CONFIG's
-#: steps on sm90, in place of the table's default: 128-key steps 2 deep (one program per
-#: multiprocessor at D=128, each asking for 64 KB of contiguous K and V rows per step).
-#: H200, bench/ab_decode.py, five CUDA-graph timings in turn, median us, default (64, 4, 3)
-#: / STREAM_CONFIG / SDPA: B=32 KV 16k 479.1 / 476.9 / 476.2, 32k 954.9 / 946.3 / 951.5,
-#: B=24 32k 729.6 / 727.3 / 766.8, B=40 32k 1277.2 / 1257.5 / 1355.6. At KV 8k 128-key
-#: steps were slower (B=32: 8 warps 2 deep 243.9, 4 warps 3 deep 236.5 against the
-#: default's 241.6 and 235.9 on two machines), so the rule starts at 16k.
+#: An unsplit default-mask call (one program per tile, more tiles than multiprocessors)
+#: over rows of at least this many keys streams them in STREAM_CONFIG's steps on sm90, in
+#: place of the table's default: 128-key steps 2 deep (one program per multiprocessor at
+#: D=128, each asking for 64 KB of contiguous K and V rows per step). H200,
+#: bench/ab_decode.py, five CUDA-graph timings in turn, median us, default (64, 4, 3) /
+#: STREAM_CONFIG / SDPA: B=32 KV 16k 479.1 / 476.9 / 476.2, 32k 954.9 / 946.3 / 951.5,
+#: B=24 32k 729.6 / 727.3 / 766.8, B=40 32k 1277.2 / 1257.5 / 1355.6. At KV 8k other
+#: 128-key steps were 0.25-1% slower than the default (B=32: 8 warps 2 deep 243.9 against
+#: 241.6, 4 warps 3 deep 236.5 against 235.9, on two machines; STREAM_CONFIG itself was not
+#: timed there), so the rule starts at 16k, where its gain (0.46%) is about the spread of
+#: one case's rounds (0.1-0.5%).
 STREAM_KEYS = 16384
 #: A share of a row's KV steps is at least this many BLOCK_N steps (when the row has them).
 MIN_STEPS_PER_SPLIT = 2
@@ -438,20 +440,28 @@ def widen_for_latency(usable: list[DecodeConfig], programs: int, sms: int, keys_
     return widened
 
 
-def stream_step(usable: list[DecodeConfig], *, generation: str, programs: int, sms: int, split_kv: int,
+def stream_step(usable: list[DecodeConfig], *, generation: str, tiles: int, sms: int, split_kv: int,
                 dense_keys: int | None, dtype, qk_dim_pad: int, sparse_kv: int,
                 kernel_options: dict[str, Any]) -> list[DecodeConfig]:
-    """The configs with the default (the first) replaced by STREAM_CONFIG when the call
-    streams long rows unsplit: sm90, 16-bit, the QK head dim in the table's 128 row, the
-    default mask over at least STREAM_KEYS keys (``dense_keys``), one share per tile
-    (``split_kv`` 1) and at least one tile per multiprocessor, STREAM_CONFIG's step
-    dividing the BlockMask's KV block, and no BLOCK_N, num_warps or num_stages pinned."""
-    if (DecodeConfig.pinned_fields(kernel_options) or generation != "sm90"
-            or dtype not in (torch.float16, torch.bfloat16) or cfgs.head_dim_bucket(qk_dim_pad) != 128
-            or dense_keys is None
-            or dense_keys < STREAM_KEYS or split_kv != 1 or programs < sms or sparse_kv % STREAM_CONFIG.block_n):
+    """STREAM_CONFIG first, in place of the table's default, when the call streams long
+    rows unsplit: sm90, 16-bit, the QK head dim in the table's 128 row, the default mask
+    over at least STREAM_KEYS keys (``dense_keys``), one share per tile (``split_kv`` 1)
+    and more tiles than multiprocessors (fewer or as many are widen_for_latency's),
+    STREAM_CONFIG's step dividing the BlockMask's KV block, and no BLOCK_N, num_warps or
+    num_stages pinned. Under autotuning (more than one config) the others stay
+    candidates, the default among them; otherwise the configs are returned unchanged."""
+    streams = (not DecodeConfig.pinned_fields(kernel_options)
+               and generation == "sm90"
+               and dtype in (torch.float16, torch.bfloat16)
+               and cfgs.head_dim_bucket(qk_dim_pad) == 128
+               and dense_keys is not None and dense_keys >= STREAM_KEYS
+               and split_kv == 1
+               and tiles > sms
+               and sparse_kv % STREAM_CONFIG.block_n == 0)
+    if not streams:
         return usable
-    return [STREAM_CONFIG, *(cfg for cfg in usable[1:] if cfg != STREAM_CONFIG)]
+    candidates = usable if len(usable) > 1 else []
+    return [STREAM_CONFIG, *(cfg for cfg in candidates if cfg != STREAM_CONFIG)]
 
 
 # --------------------------------------------------------------------------------------
@@ -493,7 +503,7 @@ def lower_to_decode_template(
                            dense_keys=_hint(S) if spec["DENSE_KV"] else None)
     usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, call.sparse_kv,
                                kernel_options)
-    usable = stream_step(usable, generation=cfgs.gpu_generation(device), programs=programs, sms=sms,
+    usable = stream_step(usable, generation=cfgs.gpu_generation(device), tiles=programs, sms=sms,
                          split_kv=split_kv, dense_keys=_hint(S) if spec["DENSE_KV"] else None, dtype=dtype,
                          qk_dim_pad=spec["QK_HEAD_DIM_PAD"], sparse_kv=call.sparse_kv, kernel_options=kernel_options)
 
