@@ -336,15 +336,13 @@ def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]
             continue
         if "ms_graph_rounds" in record:
             record["ms_graph"] = statistics.median(record["ms_graph_rounds"])
+        timings = {"": min(record.get("ms_graph", math.inf), record["ms"])}
         if record.get("ms_graph_cold_rounds"):
-            record["ms_graph_cold"] = statistics.median(record["ms_graph_cold_rounds"])
-            record["GBps_cold"] = nbytes / (record["ms_graph_cold"] * 1e-3) / 1e9
+            record["ms_graph_cold"] = timings["_cold"] = statistics.median(record["ms_graph_cold_rounds"])
+        for suffix, ms in timings.items():
+            record[f"GBps{suffix}"] = nbytes / (ms * 1e-3) / 1e9
             if bandwidth:
-                record["copy_bw_fraction_cold"] = nbytes / (record["ms_graph_cold"] * 1e-3) / bandwidth
-        best = min(record.get("ms_graph", math.inf), record["ms"])
-        record["GBps"] = nbytes / (best * 1e-3) / 1e9
-        if bandwidth:
-            record["copy_bw_fraction"] = nbytes / (best * 1e-3) / bandwidth
+                record[f"copy_bw_fraction{suffix}"] = nbytes / (ms * 1e-3) / bandwidth
         print(json.dumps(record), flush=True)
     return records
 
@@ -356,12 +354,14 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
     impls = sorted({r["impl"] for r in results}, key=lambda n: (not n.startswith("flexattn"), n))
     paged_impls = {impl: "" if impl == PAGED_IMPLS["heads"] else f" ({layout})"
                    for layout, impl in PAGED_IMPLS.items() if impl in impls}
-    # The cold columns when some cell has a cold timing (none with --warm-only or on the CPU).
-    timings = ["ms_graph", "ms_graph_cold"] if any("ms_graph_cold" in r for r in results) else ["ms_graph"]
-    cold = " cold" if len(timings) > 1 else None
-    ratio_columns = ["flexattn/torch_flex", "flexattn/sdpa", *([f"flexattn/sdpa{cold}"] if cold else [])]
+    # Ratio columns per graph timing: the cold ones when some cell has a cold timing (none
+    # with --warm-only or on the CPU).
+    timings = {"ms_graph": "", "ms_graph_cold": " cold"}
+    if not any("ms_graph_cold" in r for r in results):
+        del timings["ms_graph_cold"]
+    ratio_columns = ["flexattn/torch_flex", *(f"flexattn/sdpa{label}" for label in timings.values())]
     for suffix in paged_impls.values():
-        ratio_columns += [f"paged/contiguous{suffix}", *([f"paged/contiguous{cold}{suffix}"] if cold else [])]
+        ratio_columns += [f"paged/contiguous{label}{suffix}" for label in timings.values()]
     lines = [f"Decode suite on {gpu}; copy bandwidth "
              f"{bandwidth / 1e9:.0f} GB/s" if bandwidth else f"Decode suite on {gpu}",
              "", "ms (cuda-graph ms, warm L2) {cold: each call on another copy of the cache, x copies} "
