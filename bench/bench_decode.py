@@ -37,9 +37,10 @@ at a few microseconds).
 
 Ratios per case (> 1 means flexattn is faster): flexattn / torch_flex (warm), flexattn /
 sdpa, warm and cold; paged / contiguous, warm and cold: the time of flexattn_paged over
-flexattn's (the target is <= 1.05). ``--pool-layouts heads,tokens`` also times
-``flexattn_paged_tokens``, the same pool laid out token-major
-(``PagedKVCache.allocate(layout="tokens")``), with its own ratio columns.
+flexattn's (the target is <= 1.05). ``--pool-layouts heads,tokens,pages`` also times
+``flexattn_paged_tokens`` and ``flexattn_paged_pages``, the same pool laid out
+token-major and page-major (``PagedKVCache(..., layout=...)``, see
+``flexattn.paged.POOL_LAYOUTS``), with their own ratio columns.
 
     python bench/bench_decode.py                          # the whole suite (~5-8 min)
     python bench/bench_decode.py --batches 1 --kv 32768   # a slice
@@ -78,7 +79,7 @@ import flexattn  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
 #: The paged variant's name in the results, per pool layout.
-PAGED_IMPLS = {"heads": "flexattn_paged", "tokens": "flexattn_paged_tokens"}
+PAGED_IMPLS = {"heads": "flexattn_paged", "tokens": "flexattn_paged_tokens", "pages": "flexattn_paged_pages"}
 #: Implementations timed --rounds times in turn (the ones the targets' ratios compare).
 ROUND_ROBIN_IMPLS = ("flexattn", *PAGED_IMPLS.values(), "sdpa")
 WINDOW = 1024
@@ -137,19 +138,28 @@ def logical_block_mask(case: Case, page: int, device: torch.device) -> flexattn.
 
 
 def paged_inputs(case: Case, k: torch.Tensor, v: torch.Tensor, page: int, layout: str = "heads"):
-    """k, v (B, Hkv, S, D) copied into a paged pool (PagedKVCache.allocate's ``layout``)
-    whose pages are handed out in random order; returns (k_pool, v_pool, paged BlockMask)."""
+    """k, v (B, Hkv, S, D) copied into a paged pool (PagedKVCache's ``layout``) whose
+    pages are handed out in random order; returns (k_pool, v_pool, paged BlockMask)."""
     device = k.device
     pages_per_sequence = math.ceil(case.S / page)
-    cache = flexattn.PagedKVCache(case.B * pages_per_sequence, page, case.B, device=device)
+    cache = flexattn.PagedKVCache(case.B * pages_per_sequence, page, case.B, device=device, layout=layout,
+                                  num_kv_heads=case.Hkv)
     cache.shuffle_free_pages(torch.Generator().manual_seed(SEED))
-    k_pool, v_pool = cache.allocate(case.Hkv, case.D, k.dtype, layout=layout)
+    k_pool, v_pool = cache.allocate(case.Hkv, case.D, k.dtype)
     positions = torch.arange(case.S, device=device)[None]
     for b in range(case.B):
         cache.reserve(b, case.S)
         cache.append([b], positions, k[b:b + 1], v[b:b + 1], k_pool, v_pool)
     slots = torch.arange(case.B, device=device)
     return k_pool, v_pool, cache.block_mask_on_pages(logical_block_mask(case, page, device), slots)
+
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its sizes and strides, over a copy of its whole storage
+    (``clone`` would lay a pool view whose positions overlap, the "pages" layout, out
+    contiguously: num_kv_heads times the memory)."""
+    storage = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()).clone()
+    return storage.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def cold_copies(touched_bytes: int, copy_bytes: int, l2_bytes: int, free_bytes: int) -> int:
@@ -295,7 +305,7 @@ def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]
                   file=sys.stderr)
         kv += [(k.clone(), v.clone()) for _ in range(copies - 1)]
         for pairs in timed_pools:
-            pairs += [(pairs[0][0].clone(), pairs[0][1].clone()) for _ in range(copies - 1)]
+            pairs += [(strided_copy(pairs[0][0]), strided_copy(pairs[0][1])) for _ in range(copies - 1)]
         for record in records:
             if record["impl"] in timed:
                 record["cold_copies"] = copies
@@ -367,7 +377,7 @@ def markdown(results: list[dict[str, Any]], bandwidth: float | None, gpu: str) -
              "", "ms (cuda-graph ms, warm L2) {cold: each call on another copy of the cache, x copies} "
              "[fraction of copy bandwidth, cold when timed] per impl; ratios from the graph times when "
              "present (> 1: flexattn faster); paged/contiguous: flexattn_paged's time over flexattn's "
-             "(target <= 1.05; tokens: the token-major pool's)", "",
+             "(target <= 1.05; tokens, pages: the token-major, page-major pool's)", "",
              "| case | " + " | ".join(impls) + " | " + " | ".join(ratio_columns) + " |",
              "| --- |" + " --- |" * (len(impls) + len(ratio_columns))]
 
@@ -422,8 +432,8 @@ def parse_args(argv):
                    help="tokens per page of the paged variant (default 128; 16 in the dry run)")
     p.add_argument("--no-paged", action="store_true", help="skip the paged-KV-cache variant")
     p.add_argument("--pool-layouts", default="heads",
-                   help="comma list of PagedKVCache.allocate layouts timed (heads: flexattn_paged, "
-                        "tokens: flexattn_paged_tokens)")
+                   help="comma list of PagedKVCache layouts timed (heads: flexattn_paged, "
+                        "tokens: flexattn_paged_tokens, pages: flexattn_paged_pages)")
     p.add_argument("--compile-backend", default=None)
     p.add_argument("--cpu-reps", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3,

@@ -1,8 +1,9 @@
 """A paged KV cache: sequences of different lengths share one pool of fixed-size pages.
 
 Storage is two *pool* tensors, ``k_cache`` and ``v_cache`` of shape
-(1, Hkv, n_pages * page_size, D) (``PagedKVCache.allocate`` makes them). Page ``p`` holds
-the pool positions [p * page_size, (p + 1) * page_size). Each batch *slot* (one sequence
+(1, Hkv, pool_length, D) (``PagedKVCache.allocate`` makes them). Page ``p`` holds the pool
+positions [p * page_stride, p * page_stride + page_size), where page_stride is the page
+size, or Hkv times it for the "pages" layout (see ``POOL_LAYOUTS``). Each batch *slot* (one sequence
 being served) owns a list of pages: its *page table* maps the slot's logical page i
 (tokens [i * page_size, (i + 1) * page_size) of the sequence) to a physical page.
 ``PagedKVCache`` keeps the page tables and the free list:
@@ -65,8 +66,27 @@ def _values_checked(validate: bool) -> bool:
     return bool(validate) and not torch.compiler.is_compiling()
 
 
-#: Memory layouts PagedKVCache.allocate offers for the pool tensors.
-POOL_LAYOUTS = ("heads", "tokens")
+#: Memory layouts of the pool tensors (PagedKVCache's ``layout``; the pool tensors always
+#: have shape (1, Hkv, pool_length, D)):
+#:
+#: * ``"heads"``: head-major, ``(1, Hkv, pool_length, D)`` contiguous; a page of one head is
+#:   ``page_size * D`` contiguous elements, and one sequence's pages of all its heads lie
+#:   in ``Hkv * pages`` separate places of the pool.
+#: * ``"tokens"``: token-major, a transposed view of a contiguous ``(1, pool_length, Hkv,
+#:   D)`` tensor; a page holds its tokens' keys (values) for every head in one ``page_size
+#:   * Hkv * D`` run, so a sequence touches ``pages`` places, Hkv times fewer (fewer
+#:   address-translation entries when its pages lie scattered over a large pool); each
+#:   key row is still D contiguous elements, and reading one head's rows at a stride of
+#:   Hkv rows was 1.1-2.2x slower at B=1 on an H200.
+#: * ``"pages"``: page-major, heads within a page (FlashInfer's "HND" paged layout): memory
+#:   ``(n_pages, Hkv, page_size, D)``, a page holding every head's keys (values) of its
+#:   tokens, each head's ``page_size * D`` contiguous; a sequence touches ``pages`` places
+#:   as with "tokens", and each head's rows are as contiguous as with "heads". The pool
+#:   tensor is an overlapping strided view of that memory: head h's row at pool position n
+#:   is at ``(h * page_size + n) * D``, so page p starts at pool position ``p * Hkv *
+#:   page_size`` (``page_stride``), and the positions in between belong to other heads
+#:   (the translated masks never show them). The cache needs ``num_kv_heads`` for it.
+POOL_LAYOUTS = ("heads", "tokens", "pages")
 
 
 class PagedKVCache:
@@ -81,6 +101,12 @@ class PagedKVCache:
         max_slots: how many sequences can hold pages at once (slots 0..max_slots-1).
         device: where the page tables live; the pool tensors, slots, positions and
             BlockMasks passed in must be on the same device.
+        layout: how ``allocate`` lays the pool tensors out in memory, one of
+            ``POOL_LAYOUTS`` ("heads" by default). Attention and ``append`` work on any
+            pool tensor of the right shape; the layout decides where a page's rows lie,
+            and for "pages" also the pool positions (``page_stride``).
+        num_kv_heads: the pool's KV heads; required by the "pages" layout (its page
+            stride is num_kv_heads pages), checked by ``allocate`` when given.
 
     Tensors (on ``device``, updated in place, so captured references stay valid):
 
@@ -89,10 +115,21 @@ class PagedKVCache:
       page, -1: not the slot's.
     """
 
-    def __init__(self, n_pages: int, page_size: int, max_slots: int, device: torch.device | str = "cpu"):
+    def __init__(self, n_pages: int, page_size: int, max_slots: int, device: torch.device | str = "cpu", *,
+                 layout: str = "heads", num_kv_heads: int | None = None):
         for name, value in (("n_pages", n_pages), ("page_size", page_size), ("max_slots", max_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"flexattn: PagedKVCache {name} must be a positive int, got {value!r}")
+        if layout not in POOL_LAYOUTS:
+            raise ValueError(f"flexattn: PagedKVCache layout must be one of {POOL_LAYOUTS}, got {layout!r}")
+        if num_kv_heads is None and layout == "pages":
+            raise ValueError('flexattn: PagedKVCache layout="pages" needs num_kv_heads (the pool\'s KV heads), '
+                             "got None")
+        if num_kv_heads is not None and (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int)
+                                         or num_kv_heads < 1):
+            raise ValueError(f"flexattn: PagedKVCache num_kv_heads must be a positive int or None, "
+                             f"got {num_kv_heads!r}")
+        self.layout, self.num_kv_heads = layout, num_kv_heads
         try:
             self.device = _canonical_device(device)
         except (RuntimeError, TypeError) as error:
@@ -107,14 +144,27 @@ class PagedKVCache:
         used = self.n_pages - len(self._free)
         busy = sum(1 for pages in self._pages if pages)
         return (f"PagedKVCache(n_pages={self.n_pages}, page_size={self.page_size}, "
-                f"max_slots={self.max_slots}, device={self.device}, pages_in_use={used}, slots_in_use={busy})")
+                f"max_slots={self.max_slots}, device={self.device}, layout={self.layout!r}, "
+                f"pages_in_use={used}, slots_in_use={busy})")
 
     # ----------------------------------------------------------------------------------
     # Bookkeeping (host side)
     # ----------------------------------------------------------------------------------
     @property
+    def page_stride(self) -> int:
+        """Pool positions from one page's first token to the next page's: the page size,
+        or num_kv_heads pages for the "pages" layout."""
+        return self.page_size * (self.num_kv_heads if self.layout == "pages" else 1)
+
+    @property
     def pool_length(self) -> int:
-        """Token positions in the pool: the KV length attention on the pool sees."""
+        """Positions of the pool tensors (the KV length attention on the pool sees): up to
+        the last page's last token."""
+        return (self.n_pages - 1) * self.page_stride + self.page_size
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence the pool can hold: every page, n_pages * page_size tokens."""
         return self.n_pages * self.page_size
 
     def capacity(self, slot: int) -> int:
@@ -177,23 +227,11 @@ class PagedKVCache:
         self._free = [self._free[i] for i in order]
 
     def allocate(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
-                 value_head_dim: int | None = None, layout: str = "heads") -> tuple[Tensor, Tensor]:
+                 value_head_dim: int | None = None) -> tuple[Tensor, Tensor]:
         """Zero-filled pool tensors ``(k_cache, v_cache)`` of shape
         (1, num_kv_heads, pool_length, head_dim) (value_head_dim for v_cache) on the
-        cache's device: the layout ``append`` writes and ``flex_attention`` reads.
-
-        ``layout`` is how the pool lies in memory (the shape is the same):
-
-        * ``"heads"``: head-major, ``(1, H, pool_length, D)`` contiguous; a page of one
-          head is ``page_size * D`` contiguous elements, and one sequence's pages of
-          all its heads lie in ``H * pages`` separate places of the pool.
-        * ``"tokens"``: token-major, a transposed view of a contiguous
-          ``(1, pool_length, H, D)`` tensor; a page holds its tokens' keys (values) for
-          every head in one ``page_size * H * D`` run, so a sequence touches ``pages``
-          places, H times fewer (fewer address-translation entries when its pages lie
-          scattered over a large pool); each key row is still D contiguous elements.
-          Measured slower in most decode cases (1.1-2.2x at B=1 on an H200, see
-          docs/guide.md), so "heads" is the default.
+        cache's device, laid out in memory as the cache's ``layout`` says (see
+        ``POOL_LAYOUTS``): what ``append`` writes and ``flex_attention`` reads.
         """
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -202,13 +240,19 @@ class PagedKVCache:
                 raise ValueError(f"flexattn: PagedKVCache.allocate {name} must be a positive int, got {value!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"flexattn: PagedKVCache.allocate dtype must be a floating torch.dtype, got {dtype!r}")
-        if layout not in POOL_LAYOUTS:
-            raise ValueError(f"flexattn: PagedKVCache.allocate layout must be one of {POOL_LAYOUTS}, got {layout!r}")
+        if self.num_kv_heads is not None and num_kv_heads != self.num_kv_heads:
+            raise ValueError(f"flexattn: PagedKVCache.allocate num_kv_heads must be the cache's num_kv_heads "
+                             f"{self.num_kv_heads}, got {num_kv_heads}")
 
         def pool(dim: int) -> Tensor:
-            if layout == "heads":
-                return torch.zeros(1, num_kv_heads, self.pool_length, dim, dtype=dtype, device=self.device)
-            return torch.zeros(1, self.pool_length, num_kv_heads, dim, dtype=dtype, device=self.device).transpose(1, 2)
+            shape = (1, num_kv_heads, self.pool_length, dim)
+            if self.layout == "heads":
+                return torch.zeros(shape, dtype=dtype, device=self.device)
+            if self.layout == "tokens":
+                return torch.zeros(1, self.pool_length, num_kv_heads, dim, dtype=dtype,
+                                   device=self.device).transpose(1, 2)
+            memory = torch.zeros(self.n_pages, num_kv_heads, self.page_size, dim, dtype=dtype, device=self.device)
+            return memory.as_strided(shape, (memory.numel(), self.page_size * dim, dim, 1))
 
         return pool(head_dim), pool(value_head_dim)
 
@@ -265,6 +309,9 @@ class PagedKVCache:
                     f"flexattn: PagedKVCache {name} must have shape (1, Hkv, pool_length={self.pool_length}, D) "
                     f"(see PagedKVCache.allocate), got {tuple(t.shape)}")
             self._check_device(name, t)
+            if self.num_kv_heads is not None and t.shape[1] != self.num_kv_heads:
+                raise ValueError(f"flexattn: PagedKVCache {name} must have the cache's num_kv_heads = "
+                                 f"{self.num_kv_heads} heads, got shape {tuple(t.shape)}")
         if k_cache.shape[1] != v_cache.shape[1]:
             raise ValueError(f"flexattn: PagedKVCache k_cache and v_cache must have the same number of heads, "
                              f"got k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
@@ -313,7 +360,7 @@ class PagedKVCache:
                     f"slot {slot}'s reserved pages (capacity {self.capacity(slot)} tokens); call "
                     f"reserve({slot}, length) first")
         page = torch.where(in_table, page, 0).clamp(min=0).long()
-        return page * self.page_size + positions.remainder(self.page_size)
+        return page * self.page_stride + positions.remainder(self.page_size)
 
     def append(self, slots: Tensor | Sequence[int], positions: Tensor, k: Tensor, v: Tensor,
                k_cache: Tensor, v_cache: Tensor, *, validate: bool = True) -> None:
@@ -362,13 +409,18 @@ class PagedKVCache:
         return self._paged_mask_mod(mask_mod, self._as_slots(slots, validate), None)
 
     def _paged_mask_mod(self, mask_mod: Callable, slots: Tensor, kv_len: Tensor | None) -> Callable:
-        """The mask over pool positions; with ``kv_len`` (B,) also logical kv_idx < kv_len[b]."""
-        owner_page, page_size = self.owner_page, self.page_size
+        """The mask over pool positions; with ``kv_len`` (B,) also logical kv_idx < kv_len[b].
+        With a page stride above the page size, the positions between pages (other heads'
+        rows) are masked out."""
+        owner_page, page_size, page_stride = self.owner_page, self.page_size, self.page_stride
 
         def paged_mask_mod(b, h, q_idx, kv_idx):
-            logical_page = _lookup(owner_page, _lookup(slots, b), kv_idx // page_size)
-            logical = logical_page * page_size + kv_idx % page_size
+            logical_page = _lookup(owner_page, _lookup(slots, b), kv_idx // page_stride)
+            offset = kv_idx % page_stride
+            logical = logical_page * page_size + offset
             visible = (logical_page >= 0) & mask_mod(b, h, q_idx, logical.clamp(min=0))
+            if page_stride != page_size:
+                visible = visible & (offset < page_size)
             if kv_len is not None:
                 visible = visible & (logical < _lookup(kv_len, b))
             return visible
@@ -384,11 +436,11 @@ class PagedKVCache:
             raise TypeError(f"flexattn: PagedKVCache score_mod must be a callable (score, b, h, q_idx, kv_idx), "
                             f"got {score_mod!r}")
         slots = self._as_slots(slots, validate)
-        owner_page, page_size = self.owner_page, self.page_size
+        owner_page, page_size, page_stride = self.owner_page, self.page_size, self.page_stride
 
         def paged_score_mod(score, b, h, q_idx, kv_idx):
-            logical_page = _lookup(owner_page, _lookup(slots, b), kv_idx // page_size)
-            logical = logical_page.clamp(min=0) * page_size + kv_idx % page_size
+            logical_page = _lookup(owner_page, _lookup(slots, b), kv_idx // page_stride)
+            logical = logical_page.clamp(min=0) * page_size + kv_idx % page_stride
             return score_mod(score, b, h, q_idx, logical)
 
         paged_score_mod.__name__ = f"paged_{getattr(score_mod, '__name__', 'score_mod')}"
@@ -400,7 +452,7 @@ class PagedKVCache:
         logical positions.
 
         ``block_mask`` has batch 1 or B, any heads, Q_LEN = the query length, KV_LEN up to
-        ``pool_length`` (typically the longest sequence), and KV block size equal to
+        ``max_length`` (typically the longest sequence), and KV block size equal to
         ``page_size``: ``create_block_mask(mask_mod, B, None, L, max_len,
         BLOCK_SIZE=(q_block, cache.page_size))``.
 
@@ -414,7 +466,9 @@ class PagedKVCache:
         visible as the logical mask makes them: the mask must exclude positions at or
         beyond each sequence's length (a causal mask with the sequence's offset does).
 
-        The result always has ``n_pages`` columns and KV_LEN = ``pool_length``, whatever
+        The result always has ``pool_length / page_size`` columns (``n_pages``, or
+        ``(n_pages - 1) * num_kv_heads + 1`` for the "pages" layout, whose page p is
+        block ``p * num_kv_heads``) and KV_LEN = ``pool_length``, whatever
         the logical KV length, so that growing sequences keep its shapes (no recompile).
         Its tensors are computed on the device with no sync; it can be built inside a
         compiled function.
@@ -437,9 +491,9 @@ class PagedKVCache:
                              f"got {block_mask.kv_num_blocks.shape[0]}")
         self._check_device("block_mask", block_mask.kv_num_blocks)
         q_len, kv_len = block_mask.seq_lengths
-        if kv_len > self.pool_length:
+        if kv_len > self.max_length:
             raise ValueError(f"flexattn: PagedKVCache block_mask's KV length {kv_len} exceeds the pool's "
-                             f"{self.pool_length} tokens; no sequence can be that long")
+                             f"{self.max_length} tokens; no sequence can be that long")
         tables = self.page_table[slots.long()]                   # (B, n_pages)
         page = self.page_size
 
@@ -469,20 +523,23 @@ class PagedKVCache:
         )
 
     def _page_lists(self, tables: Tensor, idx: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
-        """Block lists over the pages: ``idx`` (B, H, QB, M) logical block ids, ``keep``
-        which of them to list. Returns (num (B, H, QB) int32, indices (B, H, QB, n_pages)
-        int32), each index row a permutation of the pages (the BlockMask layout): the kept
-        ones' physical pages first, in their order, then the other pages by id. A logical
-        block the slot does not own is not kept."""
+        """Block lists over the pool: ``idx`` (B, H, QB, M) logical block ids, ``keep``
+        which of them to list. Returns (num (B, H, QB) int32, indices (B, H, QB, blocks)
+        int32, blocks = pool_length / page_size), each index row a permutation of the
+        pool's blocks (the BlockMask layout): the blocks of the kept ones' physical pages
+        first, in their order, then the other blocks by id. A logical block the slot does
+        not own is not kept."""
         B, H, QB, M = idx.shape
         n = self.n_pages
+        blocks = self.pool_length // self.page_size
         physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, n), 3, idx.clamp(0, n - 1)).long()
         keep = keep & (idx < n) & (physical >= 0)
-        # Sort keys: the list position for a kept page, M + page id for the others;
-        # entries not kept are scattered into a scratch column that is dropped.
-        pages = torch.arange(n, device=idx.device)
-        key = torch.cat([(pages + M).expand(B, H, QB, n), pages.new_zeros(B, H, QB, 1)], dim=-1)
+        block = physical * (self.page_stride // self.page_size)
+        # Sort keys: the list position for a kept page's block, M + block id for the
+        # others; entries not kept are scattered into a scratch column that is dropped.
+        ids = torch.arange(blocks, device=idx.device)
+        key = torch.cat([(ids + M).expand(B, H, QB, blocks), ids.new_zeros(B, H, QB, 1)], dim=-1)
         position = torch.arange(M, device=idx.device).expand(B, H, QB, M)
-        key = key.scatter(-1, torch.where(keep, physical, n), position)[..., :n]
+        key = key.scatter(-1, torch.where(keep, block, blocks), position)[..., :blocks]
         order = torch.argsort(key, dim=-1).to(torch.int32)
         return keep.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()

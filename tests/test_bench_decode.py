@@ -114,3 +114,15 @@ def test_cycling_calls_the_copies_in_turn():
 
 def test_warm_only_option():
     assert bench.parse_args(["--warm-only"]).warm_only and not bench.parse_args([]).warm_only
+
+
+def test_strided_copy_keeps_an_overlapping_pool_view():
+    import torch
+    from flexattn import PagedKVCache
+    cache = PagedKVCache(4, 2, 1, layout="pages", num_kv_heads=3)
+    k_pool, _ = cache.allocate(3, 4, torch.float32)
+    k_pool.normal_()
+    copy = bench.strided_copy(k_pool)
+    assert copy.stride() == k_pool.stride() and torch.equal(copy, k_pool)
+    assert copy.untyped_storage().nbytes() == k_pool.untyped_storage().nbytes() == 4 * 3 * 2 * 4 * 4
+    assert copy.data_ptr() != k_pool.data_ptr()

@@ -61,11 +61,11 @@ class Sequences:
     """Random logical K/V of several sequences, written into a fresh pool page by page."""
 
     def __init__(self, cache: PagedKVCache, slots: list[int], lengths: list[int], Hkv: int, E: int,
-                 dtype: torch.dtype, seed: int, chunk: int = 10, layout: str = "heads"):
+                 dtype: torch.dtype, seed: int, chunk: int = 10):
         self.cache, self.slots, self.lengths = cache, slots, list(lengths)
         self.gen = torch.Generator().manual_seed(seed)
         self.dtype, self.Hkv, self.E = dtype, Hkv, E
-        self.k_cache, self.v_cache = cache.allocate(Hkv, E, dtype, layout=layout)
+        self.k_cache, self.v_cache = cache.allocate(Hkv, E, dtype)
         # Poison the pool with a large finite value: a position that is visible but was
         # never written wrecks the result (NaN would poison masked positions too: 0 * NaN).
         self.k_cache.fill_(300.0)
@@ -145,9 +145,10 @@ def make_case(group: int, L: int, *, Hkv=2, E=16, page=16, lengths=(36, 100, 70)
               window=48, seed=0, spare_pages=3, layout="heads"):
     lengths = [n + L for n in lengths]
     n_pages = sum(-(-n // page) for n in lengths) + spare_pages
-    cache = PagedKVCache(n_pages=n_pages, page_size=page, max_slots=5, device=DEVICE)
+    cache = PagedKVCache(n_pages=n_pages, page_size=page, max_slots=5, device=DEVICE, layout=layout,
+                         num_kv_heads=Hkv)
     cache.shuffle_free_pages(torch.Generator().manual_seed(seed))   # pages in no particular order
-    seqs = Sequences(cache, [3, 0, 4][:len(lengths)], lengths, Hkv, E, dtype, seed, layout=layout)
+    seqs = Sequences(cache, [3, 0, 4][:len(lengths)], lengths, Hkv, E, dtype, seed)
     Hq = Hkv * group
     q = torch.randn(len(lengths), Hq, L, E, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
     seq_len = torch.tensor(lengths, device=DEVICE)
@@ -187,11 +188,17 @@ def test_reserve_free_reuse():
 
 @pytest.mark.parametrize("layout", POOL_LAYOUTS)
 def test_append_writes_each_token_at_its_page(layout):
-    cache = PagedKVCache(n_pages=6, page_size=4, max_slots=2, device=DEVICE)
-    k_cache, v_cache = cache.allocate(2, 8, torch.float32, value_head_dim=3, layout=layout)
-    assert k_cache.shape == (1, 2, 24, 8) and v_cache.shape == (1, 2, 24, 3)
-    # heads: each head's pool positions contiguous; tokens: each position's heads contiguous.
-    assert k_cache.stride() == {"heads": (384, 192, 8, 1), "tokens": (384, 8, 16, 1)}[layout]
+    cache = PagedKVCache(n_pages=6, page_size=4, max_slots=2, device=DEVICE, layout=layout, num_kv_heads=2)
+    k_cache, v_cache = cache.allocate(2, 8, torch.float32, value_head_dim=3)
+    # pages: page p starts at pool position 2 * 4 * p; the positions between belong to the other head.
+    length = {"heads": 24, "tokens": 24, "pages": 44}[layout]
+    assert cache.pool_length == length and cache.max_length == 24
+    assert k_cache.shape == (1, 2, length, 8) and v_cache.shape == (1, 2, length, 3)
+    # heads: each head's pool positions contiguous; tokens: each position's heads
+    # contiguous; pages: each page's heads contiguous, each head's page contiguous.
+    assert k_cache.stride() == {"heads": (384, 192, 8, 1), "tokens": (384, 8, 16, 1),
+                                "pages": (384, 32, 8, 1)}[layout]
+    stride = cache.page_stride
     cache.reserve(1, 3)
     cache.reserve(0, 6)
     cache.reserve(1, 7)                      # slot 1: pages [0, 3]; slot 0: pages [1, 2]
@@ -199,12 +206,18 @@ def test_append_writes_each_token_at_its_page(layout):
     v = torch.randn(2, 2, 3, 3, device=DEVICE)
     positions = torch.tensor([[4, 5, 6], [0, 1, 5]], device=DEVICE)
     cache.append(torch.tensor([1, 0], device=DEVICE), positions, k, v, k_cache, v_cache)
-    expect = {(1, 4): 12, (1, 5): 13, (1, 6): 14, (0, 0): 4, (0, 1): 5, (0, 5): 9}
+    # (slot, logical position) -> (page, offset)
+    expect = {(1, 4): (3, 0), (1, 5): (3, 1), (1, 6): (3, 2), (0, 0): (1, 0), (0, 1): (1, 1), (0, 5): (2, 1)}
     for row, slot in enumerate([1, 0]):
         for col in range(3):
-            at = expect[(slot, int(positions[row, col]))]
+            page, offset = expect[(slot, int(positions[row, col]))]
+            at = page * stride + offset
             assert torch.equal(k_cache[0, :, at], k[row, :, col]) and torch.equal(v_cache[0, :, at], v[row, :, col])
-    assert int((k_cache[0, 0].abs().sum(-1) != 0).sum()) == 6
+    # Six token rows per head written and nothing else, counting each head's own
+    # positions (in the pages layout's view, a head's positions between its pages show
+    # the other head's rows).
+    own = torch.arange(length, device=DEVICE) % stride < cache.page_size
+    assert (k_cache[0, :, own].abs().sum(-1) != 0).sum(-1).tolist() == [6, 6]
 
 
 def _bad_inputs():
@@ -260,7 +273,15 @@ def _bad_inputs():
         ("block_mask must be on the cache's device", lambda: cache.block_mask_on_pages(bm.to("meta"), slots)),
         ("allocate dtype", lambda: cache.allocate(2, 8, torch.int32)),
         ("allocate head_dim", lambda: cache.allocate(2, 0)),
-        ("allocate layout must be one of", lambda: cache.allocate(2, 8, layout="pages")),
+        ("layout must be one of", lambda: PagedKVCache(4, 16, 1, layout="blocks")),
+        ("needs num_kv_heads", lambda: PagedKVCache(4, 16, 1, layout="pages")),
+        ("num_kv_heads must be a positive int", lambda: PagedKVCache(4, 16, 1, num_kv_heads=0)),
+        ("allocate num_kv_heads must be the cache's num_kv_heads 2, got 3",
+         lambda: PagedKVCache(4, 16, 1, layout="pages", num_kv_heads=2).allocate(3, 8)),
+        ("k_cache must have the cache's num_kv_heads = 2 heads", lambda: PagedKVCache(
+            4, 16, 1, device=DEVICE, num_kv_heads=2).append([0], torch.zeros(1, 1, dtype=torch.long, device=DEVICE),
+                                                            *(torch.zeros(1, 3, 1, 8, device=DEVICE),) * 2,
+                                                            *(torch.zeros(1, 3, 64, 8, device=DEVICE),) * 2)),
     ]
 
 
@@ -283,27 +304,32 @@ def test_checks_leave_the_cache_unchanged():
     assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
 
 
-def test_blocks_beyond_reserved_pages_are_dropped():
+@pytest.mark.parametrize("layout", ["heads", "pages"])
+def test_blocks_beyond_reserved_pages_are_dropped(layout):
     """A logical mask shared by the batch (B=None) lists every block up to the longest
-    sequence; on the pages each row keeps only the blocks its slot owns, in order."""
-    cache = PagedKVCache(n_pages=10, page_size=16, max_slots=3, device=DEVICE)
+    sequence; on the pages each row keeps only the blocks its slot owns, in order (on a
+    page-major pool of 3 heads page p is block 3 * p of 28)."""
+    cache = PagedKVCache(n_pages=10, page_size=16, max_slots=3, device=DEVICE, layout=layout, num_kv_heads=3)
+    step = cache.page_stride // cache.page_size
+    blocks = 9 * step + 1
     cache.reserve(2, 20)      # pages 0, 1
     cache.reserve(0, 70)      # pages 2..6
     cache.reserve(2, 40)      # page 7
     logical = flexattn.create_block_mask(flexattn.noop_mask, None, None, 16, 70, device=DEVICE, BLOCK_SIZE=16)
     paged = cache.block_mask_on_pages(logical, [2, 0])
-    assert paged.seq_lengths == (16, cache.pool_length) and paged.kv_indices.shape == (2, 1, 1, 10)
+    assert paged.seq_lengths == (16, cache.pool_length) and paged.kv_indices.shape == (2, 1, 1, blocks)
     full_num, full_idx = paged.full_kv_num_blocks, paged.full_kv_indices
     partial_num = paged.kv_num_blocks
     # KV length 70: blocks 0..3 full, block 4 partial (it hangs over the end).
     assert full_num[:, 0, 0].tolist() == [3, 4] and partial_num[:, 0, 0].tolist() == [0, 1]
-    assert full_idx[0, 0, 0, :3].tolist() == [0, 1, 7] and full_idx[1, 0, 0, :4].tolist() == [2, 3, 4, 5]
-    assert paged.kv_indices[1, 0, 0, 0].item() == 6
-    for idx in (paged.kv_indices, paged.full_kv_indices):  # the layout: each row a permutation of the pages
-        assert (idx.sort(dim=-1).values == torch.arange(10, device=DEVICE)).all()
-    dense = paged.to_dense()[:, 0, 0]       # (rows, pages): which pages are visited
-    assert dense[0].nonzero().flatten().tolist() == [0, 1, 7]
-    assert dense[1].nonzero().flatten().tolist() == [2, 3, 4, 5, 6]
+    assert full_idx[0, 0, 0, :3].tolist() == [step * p for p in (0, 1, 7)]
+    assert full_idx[1, 0, 0, :4].tolist() == [step * p for p in (2, 3, 4, 5)]
+    assert paged.kv_indices[1, 0, 0, 0].item() == step * 6
+    for idx in (paged.kv_indices, paged.full_kv_indices):  # the layout: each row a permutation of the blocks
+        assert (idx.sort(dim=-1).values == torch.arange(blocks, device=DEVICE)).all()
+    dense = paged.to_dense()[:, 0, 0]       # (rows, blocks): which blocks are visited
+    assert dense[0].nonzero().flatten().tolist() == [step * p for p in (0, 1, 7)]
+    assert dense[1].nonzero().flatten().tolist() == [step * p for p in (2, 3, 4, 5, 6)]
 
 
 # --------------------------------------------------------------------------------------
@@ -312,7 +338,7 @@ def test_blocks_beyond_reserved_pages_are_dropped():
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("L", [1, 3, 17, 64])
 def test_paged_matches_contiguous_dense_path(group, L):
-    layout = POOL_LAYOUTS[(group + L) % 2]
+    layout = POOL_LAYOUTS[(group + L) % len(POOL_LAYOUTS)]
     cache, seqs, q, mask_mod, score_mod = make_case(group, L, seed=group * 100 + L, layout=layout)
     out, lse = paged_attention(cache, seqs, q, mask_mod, score_mod)
     seqs.check("paged", q, out, lse, mask_mod, score_mod)
@@ -326,12 +352,14 @@ def test_paged_matches_contiguous_dense_path(group, L):
     (4, 1, {"USE_TMA": True}, "heads"),        # descriptor loads of the pool's pages
     (4, 1, {"LIST_CHUNK": 2}, "heads"),        # page indices two at a time: several chunks
     (2, 1, None, "tokens"),                    # token-major pool (two KV heads interleaved)
+    (2, 1, None, "pages"),                     # page-major pool (two KV heads per page)
+    (2, 5, {"FORCE_DECODE": False}, "pages"),  # the main kernel on a page-major pool
 ], ids=["decode-L1-gqa4", "decode-L17-gqa2", "main-L5-gqa8", "decode-L1-gqa4-tma", "decode-L1-gqa4-chunk2",
-        "decode-L1-gqa2-tokens"])
+        "decode-L1-gqa2-tokens", "decode-L1-gqa2-pages", "main-L5-gqa2-pages"])
 def test_paged_matches_contiguous_kernels(group, L, options, layout):
     # Two sequences and one KV head keep the interpreter's work small; the token-major
-    # pool needs two heads to differ from the head-major one.
-    Hkv = 2 if layout == "tokens" else 1
+    # and page-major pools need two heads to differ from the head-major one.
+    Hkv = 1 if layout == "heads" else 2
     cache, seqs, q, mask_mod, score_mod = make_case(group, L, Hkv=Hkv, seed=group + L, lengths=(152, 70),
                                                     layout=layout)
     assert cache.pool_length >= 256             # long enough for the automatic decode choice
