@@ -45,7 +45,7 @@ def main() -> None:
         k, v = (torch.randn(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
         for name, options in variants.items():
-            compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
+            compiled = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
             calls[name] = lambda c=compiled, o=options: c(q, k, v, kernel_options=o or None, enable_gqa=True)
         for call in calls.values():
             call()

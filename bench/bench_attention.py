@@ -263,7 +263,7 @@ def prepare(case: Case, settings: Settings, modes: list[str]) -> Prepared:
 def _flex_call(impl: str, prepared: Prepared, settings: Settings, mode: str) -> Callable[[], torch.Tensor]:
     """A forward call through the compiled flex_attention of flexattn or torch."""
     library = flexattn if impl == "flexattn" else torch_flex
-    compiled = torch.compile(library.flex_attention, fullgraph=True, backend=settings.compile_backend)
+    compiled = torch.compile(library.flex_attention, fullgraph=True, dynamic=False, backend=settings.compile_backend)
     q, k, v = prepared.inputs[mode]
     block_mask = prepared.masks[impl]
     gqa = prepared.case.H != prepared.case.Hkv
@@ -312,7 +312,7 @@ def warm_up_compilers(settings: Settings, modes: list[str]) -> None:
         if all((impl, mode) in settings.not_run for mode in modes):
             continue
         library = flexattn if impl == "flexattn" else torch_flex
-        compiled = torch.compile(library.flex_attention, fullgraph=True, backend=settings.compile_backend)
+        compiled = torch.compile(library.flex_attention, fullgraph=True, dynamic=False, backend=settings.compile_backend)
         for mode in modes:
             if (impl, mode) in settings.not_run:
                 continue

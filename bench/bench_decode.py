@@ -11,7 +11,8 @@ offset S-1). Implementations side by side in one run:
 * ``flexattn_paged`` the same shapes and values with the KV cache in a
   ``flexattn.PagedKVCache``: pages of ``--page-size`` tokens (128), each sequence's pages
   scattered over the pool in random order, the BlockMask translated onto the pages
-  (``block_mask_on_pages``); ``--no-paged`` skips it
+  (``block_mask_on_pages``), on a head-major pool; ``flexattn_paged_pages`` the same on
+  a page-major pool (``--pool-layouts``); ``--no-paged`` skips them
 * ``torch_flex``   ``torch.compile(torch.nn.attention.flex_attention.flex_attention)``
 * ``sdpa``         ``scaled_dot_product_attention(..., enable_gqa=True)``, default backend
   choice (no-mask cases only: SDPA has no sliding window)
@@ -33,14 +34,17 @@ their read bytes span COLD_L2_SPAN times the L2 cache, or as many as fit in
 COLD_MEMORY_FRACTION of the free memory (``cold_copies``; a warning says when that is
 fewer; ``--warm-only`` skips the cold timings and their columns). For the compared implementations both graph timings are the median of
 ``--rounds`` timings taken in turn (two captures of the same call can differ by 0.5-1 us
-at a few microseconds).
+at a few microseconds). Every compile is static (``dynamic=False``): taken in turn, the
+implementations call one function with different shapes (a pool is longer than the
+contiguous cache), and Dynamo's automatic dynamic shapes would time a symbolic-shape
+recompile of all but the first (it made the page-major pool read 2-4x slower).
 
 Ratios per case (> 1 means flexattn is faster): flexattn / torch_flex (warm), flexattn /
 sdpa, warm and cold; paged / contiguous, warm and cold: the time of flexattn_paged over
-flexattn's (the target is <= 1.05). ``--pool-layouts heads,tokens,pages`` also times
-``flexattn_paged_tokens`` and ``flexattn_paged_pages``, the same pool laid out
-token-major and page-major (``PagedKVCache(..., layout=...)``, see
-``flexattn.paged.POOL_LAYOUTS``), with their own ratio columns.
+flexattn's (the target is <= 1.05), for each pool layout of ``--pool-layouts``
+(``PagedKVCache(..., layout=...)``, see ``flexattn.paged.POOL_LAYOUTS``): by default
+head-major (``flexattn_paged``) and page-major (``flexattn_paged_pages``); ``tokens``
+adds ``flexattn_paged_tokens``. Each layout has its own ratio columns.
 
     python bench/bench_decode.py                          # the whole suite (~5-8 min)
     python bench/bench_decode.py --batches 1 --kv 32768   # a slice
@@ -244,21 +248,21 @@ def run_case(case: Case, args, device, dtype, bandwidth) -> list[dict[str, Any]]
     for split in args.split_kv or [None]:
         options = {} if split is None else {"SPLIT_KV": split}
         name = "flexattn" if split is None else f"flexattn_split{split}"
-        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
+        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False, backend=args.compile_backend)
         impls.append((name, lambda i, c=compiled, o=options: c(q, *kv[i], block_mask=masks["flexattn"],
                                                                   enable_gqa=True, kernel_options=o or None)))
     if args.with_main:
-        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
+        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False, backend=args.compile_backend)
         impls.append(("flexattn_main", lambda i, c=compiled: c(q, *kv[i], block_mask=masks["flexattn"],
                                                                enable_gqa=True,
                                                                kernel_options={"FORCE_DECODE": False})))
     for layout in [] if args.no_paged else args.pool_layouts:
         k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size, layout)
         pools[layout] = [(k_pool, v_pool)]
-        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, backend=args.compile_backend)
+        compiled = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False, backend=args.compile_backend)
         impls.append((PAGED_IMPLS[layout], lambda i, c=compiled, p=pools[layout], m=paged_mask: c(
             q, *p[i], block_mask=m, enable_gqa=True)))
-    compiled_torch = torch.compile(torch_flex.flex_attention, fullgraph=True, backend=args.compile_backend)
+    compiled_torch = torch.compile(torch_flex.flex_attention, fullgraph=True, dynamic=False, backend=args.compile_backend)
     impls.append(("torch_flex", lambda i: compiled_torch(q, *kv[i], block_mask=masks["torch_flex"],
                                                          enable_gqa=True)))
     if case.window is None:
@@ -431,7 +435,7 @@ def parse_args(argv):
     p.add_argument("--page-size", type=int, default=None,
                    help="tokens per page of the paged variant (default 128; 16 in the dry run)")
     p.add_argument("--no-paged", action="store_true", help="skip the paged-KV-cache variant")
-    p.add_argument("--pool-layouts", default="heads",
+    p.add_argument("--pool-layouts", default="heads,pages",
                    help="comma list of PagedKVCache layouts timed (heads: flexattn_paged, "
                         "tokens: flexattn_paged_tokens, pages: flexattn_paged_pages)")
     p.add_argument("--compile-backend", default=None)

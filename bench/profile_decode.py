@@ -40,9 +40,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None, help="sliding window of this many keys")
     parser.add_argument("--paged", action="store_true", help="also flexattn on a paged KV cache")
     parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--pool-layouts", default="heads",
+                        help="comma list of PagedKVCache layouts of the paged rows (heads, tokens, pages)")
     args = parser.parse_args()
     allow_recompiles()
-    ours = torch.compile(flexattn.flex_attention, fullgraph=True)
+    ours = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
     variants = [("flexattn", {})] + [(f"flexattn {text}", json.loads(text)) for text in args.options]
     summary = []
     for B, S in itertools.product((int(b) for b in args.batches.split(",")), (int(s) for s in args.kv.split(","))):
@@ -53,11 +55,11 @@ def main() -> None:
             window_mask(S - 1, args.window), None, None, 1, S, device="cuda")
         calls = [(name, lambda opts=opts: ours(q, k, v, block_mask=mask, kernel_options=opts, enable_gqa=True))
                  for name, opts in variants]
-        if args.paged:
-            k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size)
-            calls += [(name.replace("flexattn", "flexattn paged", 1),
-                       lambda opts=opts: ours(q, k_pool, v_pool, block_mask=paged_mask, kernel_options=opts,
-                                              enable_gqa=True))
+        for layout in args.pool_layouts.split(",") if args.paged else []:
+            k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size, layout)
+            calls += [(name.replace("flexattn", f"flexattn paged {layout}", 1),
+                       lambda opts=opts, k_pool=k_pool, v_pool=v_pool, paged_mask=paged_mask: ours(
+                           q, k_pool, v_pool, block_mask=paged_mask, kernel_options=opts, enable_gqa=True))
                       for name, opts in variants]
         if args.window is None:
             calls.append(("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))

@@ -91,8 +91,8 @@ def main() -> None:
     S, H = args.seq, args.heads
     Hkv = args.kv_heads or H
     allow_recompiles()
-    ours = torch.compile(flexattn.flex_attention, fullgraph=True)
-    theirs = torch.compile(torch_flex.flex_attention, fullgraph=True)
+    ours = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
+    theirs = torch.compile(torch_flex.flex_attention, fullgraph=True, dynamic=False)
     start = time.time()
     summary = []
     for case, dim in itertools.product(args.cases.split(","), (int(d) for d in args.dims.split(","))):

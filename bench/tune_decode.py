@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = grid_settings(args.grid)
     allow_recompiles()
-    ours = torch.compile(flexattn.flex_attention, fullgraph=True)
+    ours = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
     start = time.time()
     summary = []
     for B, S in itertools.product((int(b) for b in args.batches.split(",")), (int(s) for s in args.kv.split(","))):

@@ -77,8 +77,8 @@ def main() -> None:
     settings = grid_settings(args.grid)
     S, H = args.seq, args.heads
     allow_recompiles()
-    ours = torch.compile(flexattn.flex_attention, fullgraph=True)
-    theirs = torch.compile(torch_flex.flex_attention, fullgraph=True)
+    ours = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
+    theirs = torch.compile(torch_flex.flex_attention, fullgraph=True, dynamic=False)
     start = time.time()
     lines = []
     for case in args.cases.split(","):

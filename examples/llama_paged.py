@@ -9,7 +9,8 @@ What the script does:
 1. Prefill: the prompts (random tokens, different lengths) are packed into one row and
    run at once, attention masked causally within each prompt (``causal_mask`` and
    ``document_mask_from_offsets``). Each prompt's keys and values go into its slot of a
-   ``flexattn.PagedKVCache`` (one pool of pages per layer).
+   ``flexattn.PagedKVCache`` (one pool of pages per layer, laid out as ``--pool-layout``
+   says: page-major, a page holding every KV head, by default).
 2. Decode: ``--new-tokens`` tokens per prompt, greedily. One decode step (all layers,
    writing the new token's K/V into the pool and attending on the pool through a paged
    BlockMask) is one ``torch.compile``'d function with fixed shapes: a (B, 1) query,
@@ -52,6 +53,7 @@ if str(REPO) not in sys.path:
 
 import flexattn  # noqa: E402
 from flexattn import PagedKVCache, mods  # noqa: E402
+from flexattn.paged import POOL_LAYOUTS  # noqa: E402
 
 #: err(paged) <= RATIO * err(reference) + FLOOR[dtype], errors against float64.
 RATIO = 2.0
@@ -307,6 +309,8 @@ def parse_args(argv):
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--page-size", type=int, default=None, help="default: 16 on CPU, 128 on CUDA")
     p.add_argument("--spare-pages", type=int, default=4, help="pages in the pool beyond what the batch needs")
+    p.add_argument("--pool-layout", default="pages", choices=POOL_LAYOUTS,
+                   help="PagedKVCache layout of the pools (flexattn.paged.POOL_LAYOUTS)")
     p.add_argument("--vocab", type=int, default=Config.vocab)
     p.add_argument("--dim", type=int, default=Config.dim)
     p.add_argument("--layers", type=int, default=Config.layers)
@@ -348,7 +352,8 @@ def run(argv=None) -> dict:
     prompts = [torch.randint(0, cfg.vocab, (n,), generator=gen).to(device) for n in lengths]
 
     n_pages = sum(-(-(n + N) // page_size) for n in lengths) + args.spare_pages
-    cache = PagedKVCache(n_pages=n_pages, page_size=page_size, max_slots=B + 2, device=device)
+    cache = PagedKVCache(n_pages=n_pages, page_size=page_size, max_slots=B + 2, device=device,
+                         layout=args.pool_layout, num_kv_heads=cfg.kv_heads)
     server = PagedServer(model, cache, dtype, backend=args.backend, cuda_graphs=args.cuda_graphs)
     slot_list = list(range(B + 1, 1, -1))[:B]          # any free slots; not 0..B-1 in order
     slots = torch.tensor(slot_list, device=device)

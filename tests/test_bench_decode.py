@@ -49,10 +49,12 @@ def test_paged_variant_matches_the_contiguous_run(dry_run):
     cases = sorted({r["case"] for r in report["results"]})
     assert len(cases) == 4
     for case in cases:
-        contiguous, paged = cells[(case, "flexattn")], cells[(case, "flexattn_paged")]
-        assert "error" not in contiguous and "error" not in paged, (contiguous, paged)
-        assert paged["max_abs_err"] <= 2 * contiguous["max_abs_err"] + 1e-6, (case, paged, contiguous)
-        assert paged["bytes"] == contiguous["bytes"] and paged["ms"] > 0
+        contiguous = cells[(case, "flexattn")]
+        for impl in ("flexattn_paged", "flexattn_paged_pages"):   # the default layouts: heads, pages
+            paged = cells[(case, impl)]
+            assert "error" not in contiguous and "error" not in paged, (contiguous, paged)
+            assert paged["max_abs_err"] <= 2 * contiguous["max_abs_err"] + 1e-6, (case, paged, contiguous)
+            assert paged["bytes"] == contiguous["bytes"] and paged["ms"] > 0
 
 
 def test_markdown_has_the_paged_ratio(dry_run):
@@ -61,7 +63,8 @@ def test_markdown_has_the_paged_ratio(dry_run):
     header = next(line for line in lines if line.startswith("| case |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
     # The CPU run has no graph timings, so no cold ones and no cold columns.
-    assert "flexattn_paged" in columns and columns[-1] == "paged/contiguous"
+    assert {"flexattn_paged", "flexattn_paged_pages", "paged/contiguous"} <= set(columns)
+    assert columns[-1] == "paged/contiguous (pages)"
     assert not any("cold" in c for c in columns)
     rows = [line for line in lines if line.startswith("| b")]
     assert len(rows) == 4

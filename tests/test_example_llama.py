@@ -43,9 +43,11 @@ def test_tiny_run_passes_eager_backend(capsys):
     assert llama.main(["--tiny", "--backend", "eager"]) == 0
 
 
-def test_tiny_run_passes_inductor():
-    """The decode step through Inductor (C++ for the model, flexattn's CPU lowering)."""
-    summary = llama.run(["--tiny", "--new-tokens", "4", "--prompt-lengths", "17,3"])
+@pytest.mark.parametrize("layout", ["pages", "heads"])
+def test_tiny_run_passes_inductor(layout):
+    """The decode step through Inductor (C++ for the model, flexattn's CPU lowering), on
+    the default page-major pools and on head-major ones."""
+    summary = llama.run(["--tiny", "--new-tokens", "4", "--prompt-lengths", "17,3", "--pool-layout", layout])
     assert summary["ok"], summary
     assert summary["max_abs_err"] < 1e-4
 
