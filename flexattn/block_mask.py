@@ -304,13 +304,20 @@ def _cdiv(numerator: int, denominator: int) -> int:
 def _dense_to_ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
     """Block flags (..., rows, cols) -> (num_blocks (..., rows), indices (..., rows, cols)).
 
-    A stable descending sort of the 0/1 flags lists the set block ids first, ascending,
-    followed by the unset ones, ascending.
+    Lists the set block ids first, ascending, followed by the unset ones, ascending (a
+    stable descending sort of the 0/1 flags, computed without a sort: a set block's place
+    is its rank among the set ones, an unset block's is num_blocks plus its rank among
+    the unset ones).
     """
-    flags = dense.to(torch.int8)
-    num_blocks = flags.sum(dim=-1, dtype=torch.int32)
-    indices = torch.argsort(flags, dim=-1, descending=True, stable=True)
-    return num_blocks.contiguous(), indices.to(torch.int32).contiguous()
+    flags = dense.to(torch.bool)
+    if flags.shape[-1] == 1:    # one column (the transposed lists of one query block)
+        return flags.squeeze(-1).to(torch.int32).contiguous(), torch.zeros(flags.shape, dtype=torch.int32,
+                                                                           device=flags.device)
+    num_blocks = flags.sum(dim=-1, dtype=torch.int64)
+    place = torch.where(flags, torch.cumsum(flags, -1), num_blocks.unsqueeze(-1) + torch.cumsum(~flags, -1)) - 1
+    ids = torch.arange(flags.shape[-1], dtype=torch.int32, device=flags.device).expand(flags.shape)
+    indices = torch.empty(flags.shape, dtype=torch.int32, device=flags.device).scatter_(-1, place, ids)
+    return num_blocks.to(torch.int32).contiguous(), indices.contiguous()
 
 
 def _ordered_to_dense(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:

@@ -535,11 +535,17 @@ class PagedKVCache:
         physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, n), 3, idx.clamp(0, n - 1)).long()
         keep = keep & (idx < n) & (physical >= 0)
         block = physical * (self.page_stride // self.page_size)
-        # Sort keys: the list position for a kept page's block, M + block id for the
-        # others; entries not kept are scattered into a scratch column that is dropped.
-        ids = torch.arange(blocks, device=idx.device)
-        key = torch.cat([(ids + M).expand(B, H, QB, blocks), ids.new_zeros(B, H, QB, 1)], dim=-1)
-        position = torch.arange(M, device=idx.device).expand(B, H, QB, M)
-        key = key.scatter(-1, torch.where(keep, block, blocks), position)[..., :blocks]
-        order = torch.argsort(key, dim=-1).to(torch.int32)
-        return keep.sum(-1, dtype=torch.int32).contiguous(), order.contiguous()
+        num = keep.sum(-1, dtype=torch.int64)
+        # Each block's place in its row, without a sort: a kept entry's is its rank among
+        # the kept entries (list order), any other block's is num + its rank among the
+        # blocks not kept (id order). Scatters aim entries that are not placed at a
+        # scratch column, dropped at the end.
+        scratch = torch.full((B, H, QB, 1), blocks, dtype=torch.int64, device=idx.device)
+        kept = torch.zeros(B, H, QB, blocks + 1, dtype=torch.bool, device=idx.device)
+        kept = kept.scatter(-1, torch.where(keep, block, scratch), True)[..., :blocks]
+        ids = torch.arange(blocks, device=idx.device).expand(B, H, QB, blocks)
+        other_place = torch.where(kept, scratch, num[..., None] + torch.cumsum(~kept, -1) - 1)
+        kept_place = torch.where(keep, torch.cumsum(keep, -1) - 1, scratch)
+        order = torch.empty(B, H, QB, blocks + 1, dtype=torch.int64, device=idx.device)
+        order = order.scatter(-1, other_place, ids).scatter(-1, kept_place, block)[..., :blocks]
+        return num.to(torch.int32).contiguous(), order.to(torch.int32).contiguous()

@@ -517,3 +517,14 @@ def test_same_layout_on_the_test_device(device, case):
     on_device = create_block_mask(mask_mod, 2, 3, 1000, 600, device=device)
     assert on_device.kv_indices.device.type == torch.device(device).type
     assert_same_block_mask(on_device, on_cpu)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 1, 1, 1), (4, 2, 33, 1), (2, 1, 8, 64), (1, 1, 0, 4), (3, 0, 1)])
+def test_dense_to_ordered_is_a_stable_sort_of_the_flags(shape):
+    """The sort-free block lists equal a stable descending sort of the 0/1 flags: set
+    blocks first, ascending, then the unset ones, ascending."""
+    dense = torch.rand(shape, generator=torch.Generator().manual_seed(len(shape) + shape[-1])) < 0.4
+    num, indices = bm._dense_to_ordered(dense)
+    expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    assert torch.equal(indices, expected) and torch.equal(num, dense.sum(-1, dtype=torch.int32))
+    assert num.dtype == indices.dtype == torch.int32
