@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .block_mask import BlockMask, _required_positional_count
+from .block_mask import BlockMask, _dense_to_ordered, _required_positional_count
 
 __all__ = ["PagedKVCache"]
 
@@ -536,17 +536,12 @@ class PagedKVCache:
         physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, n), 3, idx.clamp(0, n - 1)).long()
         keep = keep & (idx < n) & (physical >= 0)
         block = physical * (self.page_stride // self.page_size)
-        num = keep.sum(-1, dtype=torch.int64)
-        # Each block's place in its row, without a sort: a kept entry's is its rank among
-        # the kept entries (list order), any other block's is num + its rank among the
-        # blocks not kept (id order). Scatters aim entries that are not placed at a
-        # scratch column, dropped at the end.
-        scratch = torch.full((B, H, QB, 1), blocks, dtype=torch.int64, device=idx.device)
+        # The kept blocks as flags (entries not kept aim at a scratch column, dropped):
+        # _dense_to_ordered lists them first, by id, then the other blocks, by id; the
+        # first num places then take the kept blocks in list order instead (entry j at its
+        # rank among the kept entries).
         kept = torch.zeros(B, H, QB, blocks + 1, dtype=torch.bool, device=idx.device)
-        kept = kept.scatter(-1, torch.where(keep, block, scratch), True)[..., :blocks]
-        ids = torch.arange(blocks, device=idx.device).expand(B, H, QB, blocks)
-        other_place = torch.where(kept, scratch, num[..., None] + torch.cumsum(~kept, -1) - 1)
-        kept_place = torch.where(keep, torch.cumsum(keep, -1) - 1, scratch)
-        order = torch.empty(B, H, QB, blocks + 1, dtype=torch.int64, device=idx.device)
-        order = order.scatter(-1, other_place, ids).scatter(-1, kept_place, block)[..., :blocks]
-        return num.to(torch.int32).contiguous(), order.to(torch.int32).contiguous()
+        num, order = _dense_to_ordered(kept.scatter(-1, torch.where(keep, block, blocks), True)[..., :blocks])
+        place = torch.where(keep, torch.cumsum(keep, -1) - 1, blocks)
+        order = torch.cat([order, order.new_zeros(B, H, QB, 1)], dim=-1)
+        return num, order.scatter(-1, place, block.to(order.dtype))[..., :blocks].contiguous()
