@@ -352,8 +352,11 @@ def run(argv=None) -> dict:
     prompts = [torch.randint(0, cfg.vocab, (n,), generator=gen).to(device) for n in lengths]
 
     n_pages = sum(-(-(n + N) // page_size) for n in lengths) + args.spare_pages
+    # A slot holds at most the longest sequence's pages: the width of the page tables and
+    # of each step's paged block lists.
     cache = PagedKVCache(n_pages=n_pages, page_size=page_size, max_slots=B + 2, device=device,
-                         layout=args.pool_layout, num_kv_heads=cfg.kv_heads)
+                         layout=args.pool_layout, num_kv_heads=cfg.kv_heads,
+                         max_pages_per_slot=-(-cfg.max_positions // page_size))
     server = PagedServer(model, cache, dtype, backend=args.backend, cuda_graphs=args.cuda_graphs)
     slot_list = list(range(B + 1, 1, -1))[:B]          # any free slots; not 0..B-1 in order
     slots = torch.tensor(slot_list, device=device)

@@ -47,6 +47,13 @@ BM_Q_LEN, BM_KV_LEN = 0, 1
 BM_KV_NUM_BLOCKS, BM_KV_INDICES, BM_FULL_KV_NUM_BLOCKS, BM_FULL_KV_INDICES = 2, 3, 4, 5
 BM_Q_NUM_BLOCKS, BM_Q_INDICES, BM_FULL_Q_NUM_BLOCKS, BM_FULL_Q_INDICES = 6, 7, 8, 9
 BM_Q_BLOCK_SIZE, BM_KV_BLOCK_SIZE, BM_MASK_MOD = 10, 11, 12
+
+#: The error of a call that needs a backward with a mask built without the transposed lists.
+NO_Q_BLOCKS_ERROR = (
+    "flexattn: block_mask has no transposed (per-KV-block) lists, which the backward needs "
+    "(it was built with compute_q_blocks=False), but {what} requires grad; rebuild it with "
+    "compute_q_blocks=True or run the call under torch.no_grad()"
+)
 BLOCK_MASK_TUPLE_LEN = 13
 
 
@@ -221,12 +228,7 @@ def block_mask_visibility(block_mask: tuple, B: int, H: int, L: int, S: int, dev
     mask_mod = block_mask[BM_MASK_MOD]
 
     def block_grid(num: Tensor, idx: Tensor) -> Tensor:
-        # (Bm, Hm, QB, KVB) bool: block j listed among the first num[..., i] of row i.
-        n_kv_blocks = idx.shape[-1]
-        listed = torch.arange(n_kv_blocks, device=idx.device) < num[..., None]
-        grid = torch.zeros(idx.shape[:-1] + (max(n_kv_blocks, 1),), dtype=torch.bool, device=idx.device)
-        grid.scatter_(-1, idx.long(), listed)
-        return grid
+        return listed_grid(num, idx, max(idx.shape[-1], -(-S // kv_block), 1))
 
     def to_entries(grid: Tensor) -> Tensor:
         grid = grid.repeat_interleave(q_block, dim=-2).repeat_interleave(kv_block, dim=-1)
@@ -238,6 +240,16 @@ def block_mask_visibility(block_mask: tuple, B: int, H: int, L: int, S: int, dev
     if full_num is not None:
         allowed = allowed | to_entries(block_grid(full_num, full_idx).to(device))
     return allowed
+
+
+def listed_grid(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:
+    """Block lists -> bool (..., rows, num_cols): column c of row r is set when c is
+    among the first num_blocks[..., r] entries of indices[..., r, :]. The entries after
+    those (padding, which may repeat ids) are sent to a scratch column and dropped."""
+    slots = torch.arange(indices.shape[-1], device=indices.device)
+    columns = torch.where(slots < num_blocks.unsqueeze(-1), indices.to(torch.int64), num_cols)
+    grid = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=torch.bool, device=indices.device)
+    return grid.scatter_(-1, columns, True)[..., :num_cols]
 
 
 def _fit_last_two(grid: Tensor, L: int, S: int) -> Tensor:
@@ -543,6 +555,8 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
         with torch._C._AutoDispatchBelowAutograd():
             return flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
                                       score_mod_buffers, mask_mod_buffers)
+    if block_mask[BM_Q_INDICES] is None:
+        raise ValueError(NO_Q_BLOCKS_ERROR.format(what="a tensor the call differentiates"))
     fw_graph, joint_graph = build_score_mod_graphs(score_mod, query, score_mod_buffers)
     return FlexAttentionAutogradOp.apply(
         query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,

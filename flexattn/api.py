@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _compat
-from ._hop import flex_attention_hop, identity_score_mod
+from ._hop import NO_Q_BLOCKS_ERROR, flex_attention_hop, identity_score_mod
 from .block_mask import DEFAULT_BLOCK_SIZE, DEFAULT_MASK_KEY, BlockMask, _required_positional_count, noop_mask
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -316,6 +316,8 @@ def flex_attention(
     want_lse = return_lse or (return_aux is not None and return_aux.lse)
     want_max = return_aux is not None and return_aux.max_scores
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if needs_grad and block_mask.q_indices is None:
+        raise ValueError(NO_Q_BLOCKS_ERROR.format(what="query, key or value"))
     if "OUTPUT_LOGSUMEXP" not in (kernel_options or {}):
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse or needs_grad)
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)

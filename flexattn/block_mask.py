@@ -53,7 +53,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ._hop import IndexWithTensors, vmap_over_bhmn
+from ._hop import IndexWithTensors, listed_grid, vmap_over_bhmn
 
 __all__ = [
     "BlockMask",
@@ -301,6 +301,12 @@ def _cdiv(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
+def _kv_columns(kv_indices: Tensor, seq_lengths: tuple[int, int], block_size: tuple[int, int]) -> int:
+    """KV block columns of a mask whose index rows may be narrower than its KV blocks:
+    the blocks seq_lengths' kv_len covers, or the rows' width where that is larger."""
+    return max(kv_indices.shape[-1], _cdiv(seq_lengths[1], block_size[1]))
+
+
 def _dense_to_ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
     """Block flags (..., rows, cols) -> (num_blocks (..., rows), indices (..., rows, cols)).
 
@@ -321,23 +327,14 @@ def _dense_to_ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _ordered_to_dense(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:
-    """(num_blocks, indices) -> int32 flags (..., rows, num_cols); padding is ignored.
-
-    Invalid slots are redirected to one extra scratch column, dropped at the end.
-    """
-    slots = torch.arange(indices.shape[-1], device=indices.device)
-    valid = slots < num_blocks.unsqueeze(-1)
-    columns = torch.where(valid, indices.to(torch.int64), num_cols)
-    dense = torch.zeros(
-        *indices.shape[:-1], num_cols + 1, dtype=torch.int32, device=indices.device
-    )
-    dense.scatter_(-1, columns, 1)
-    return dense[..., :num_cols].contiguous()
+    """(num_blocks, indices) -> int32 flags (..., rows, num_cols); padding is ignored."""
+    return listed_grid(num_blocks, indices, num_cols).to(torch.int32)
 
 
-def _transpose_ordered(num_blocks: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row block lists -> per-column block lists (the layout the backward walks)."""
-    dense = _ordered_to_dense(num_blocks, indices, indices.shape[-1])
+def _transpose_ordered(num_blocks: Tensor, indices: Tensor, num_cols: int) -> tuple[Tensor, Tensor]:
+    """Per-row block lists over ``num_cols`` columns -> per-column block lists (the
+    layout the backward walks)."""
+    dense = _ordered_to_dense(num_blocks, indices, num_cols)
     return _dense_to_ordered(dense.transpose(-2, -1))
 
 
@@ -557,11 +554,17 @@ class BlockMask:
     * ``full_kv_num_blocks``, ``full_kv_indices``: same for KV blocks with no masked
       position (the kernel skips mask_mod there), or None when not separated.
     * ``q_num_blocks`` (..., KVB), ``q_indices`` (..., KVB, QB), ``full_q_num_blocks``,
-      ``full_q_indices``: the transposed lists, per KV block, for the backward.
+      ``full_q_indices``: the transposed lists, per KV block, for the backward; None
+      when the mask was built without them (``compute_q_blocks=False``), which only a
+      call without a backward accepts.
     * ``seq_lengths`` (q_len, kv_len), ``BLOCK_SIZE`` (q_block, kv_block), ``mask_mod``.
 
     Each index row starts with its valid block ids (the first ``num_blocks`` entries,
-    ascending for masks built here) and is padded with the remaining ids.
+    ascending for masks built here); the entries after them are padding that nothing
+    reads (masks built here pad with the remaining ids). A row may hold fewer entries
+    than there are KV blocks (KVB = cdiv(kv_len, kv_block)) as long as it holds its
+    ``num_blocks``: ``PagedKVCache.block_mask_on_pages`` makes rows as wide as a
+    sequence's pages, not the pool's.
     """
 
     _TENSOR_FIELDS = (
@@ -629,11 +632,14 @@ class BlockMask:
         BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
         mask_mod: MaskMod | None = None,
         seq_lengths: tuple[int, int] | None = None,
+        compute_q_blocks: bool = True,
     ) -> BlockMask:
         """Build a BlockMask from the per-query-block KV lists; derives the transposed view.
 
         ``seq_lengths`` defaults to the block grid times ``BLOCK_SIZE``; ``mask_mod``
-        to ``noop_mask``.
+        to ``noop_mask``. ``compute_q_blocks=False`` leaves the transposed lists out
+        (they cost a pass over every KV block of every row): the mask then serves
+        forward calls only, and a call that needs a backward raises.
         """
         if not isinstance(kv_indices, Tensor) or kv_indices.dim() < 2:
             raise ValueError(
@@ -645,18 +651,19 @@ class BlockMask:
                 "full_kv_num_blocks and full_kv_indices must be given together or both be None"
             )
         block_size = _normalize_block_size(BLOCK_SIZE)
-        q_num_blocks, q_indices = _transpose_ordered(kv_num_blocks, kv_indices)
-        if full_kv_num_blocks is not None:
-            full_q_num_blocks, full_q_indices = _transpose_ordered(
-                full_kv_num_blocks, full_kv_indices
-            )
-        else:
-            full_q_num_blocks = full_q_indices = None
         if seq_lengths is None:
             seq_lengths = (
                 kv_indices.shape[-2] * block_size[0],
                 kv_indices.shape[-1] * block_size[1],
             )
+        num_cols = _kv_columns(kv_indices, seq_lengths, block_size)
+        q_num_blocks = q_indices = full_q_num_blocks = full_q_indices = None
+        if compute_q_blocks:
+            q_num_blocks, q_indices = _transpose_ordered(kv_num_blocks, kv_indices, num_cols)
+            if full_kv_num_blocks is not None:
+                full_q_num_blocks, full_q_indices = _transpose_ordered(
+                    full_kv_num_blocks, full_kv_indices, num_cols
+                )
         return cls(
             seq_lengths,
             kv_num_blocks,
@@ -700,6 +707,11 @@ class BlockMask:
             _cdiv(self.seq_lengths[1], self.BLOCK_SIZE[1]),
         )
 
+    def _kv_columns(self) -> int:
+        """KV block columns of the block-level views (to_dense): the blocks kv_len
+        covers, or the index rows' width where that is larger."""
+        return _kv_columns(self.kv_indices, self.seq_lengths, self.BLOCK_SIZE)
+
     def sparsity(self) -> float:
         """Percentage of the blocks of the grid that are skipped (neither partial nor full)."""
         total = self.kv_num_blocks.numel() * self._block_grid()[1]
@@ -710,7 +722,7 @@ class BlockMask:
 
     def to_dense(self) -> Tensor:
         """Block-level int32 (..., QB, KVB) mask: 1 where a block is computed (partial or full)."""
-        num_cols = self.kv_indices.shape[-1]
+        num_cols = self._kv_columns()
         dense = _ordered_to_dense(self.kv_num_blocks, self.kv_indices, num_cols)
         if self.full_kv_num_blocks is not None:
             dense = dense | _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, num_cols)
@@ -718,7 +730,7 @@ class BlockMask:
 
     def _block_kinds(self) -> Tensor:
         """int8 (..., QB, KVB): 0 empty, 1 partial, 2 full."""
-        num_cols = self.kv_indices.shape[-1]
+        num_cols = self._kv_columns()
         kinds = _ordered_to_dense(self.kv_num_blocks, self.kv_indices, num_cols).to(torch.int8)
         if self.full_kv_num_blocks is not None:
             full = _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, num_cols)
@@ -779,7 +791,7 @@ class BlockMask:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        rows, cols = self.kv_indices.shape[-2:]
+        rows, cols = self.kv_indices.shape[-2], self._kv_columns()
         partial = int(self.kv_num_blocks.sum().item())
         full = int(self.full_kv_num_blocks.sum().item()) if self.full_kv_num_blocks is not None else 0
         return (
@@ -842,6 +854,7 @@ class BlockMask:
             BLOCK_SIZE=self.BLOCK_SIZE,
             mask_mod=_sliced_mask_mod,
             seq_lengths=self.seq_lengths,
+            compute_q_blocks=self.q_indices is not None,
         )
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
@@ -858,7 +871,7 @@ class BlockMask:
         _check_positive_int(new_kv_len, "new_kv_len")
         q_block, kv_block = self.BLOCK_SIZE
         rows, cols = _cdiv(new_q_len, q_block), _cdiv(new_kv_len, kv_block)
-        old_rows, old_cols = self.kv_indices.shape[-2:]
+        old_rows, old_cols = self.kv_indices.shape[-2], self._kv_columns()
         if rows > old_rows or cols > old_cols:
             raise ValueError(
                 f"_adjust can only shrink a BlockMask: ({new_q_len}, {new_kv_len}) needs "
@@ -868,7 +881,8 @@ class BlockMask:
         full = None
         if self.full_kv_num_blocks is not None:
             full = _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, old_cols)[..., :rows, :cols].bool()
-        return _from_block_flags(partial, full, (new_q_len, new_kv_len), self.BLOCK_SIZE, self.mask_mod)
+        return _from_block_flags(partial, full, (new_q_len, new_kv_len), self.BLOCK_SIZE, self.mask_mod,
+                                 compute_q_blocks=self.q_indices is not None)
 
     def adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
         """Public name of :meth:`_adjust`: crop the mask to shorter sequence lengths."""
@@ -891,15 +905,18 @@ def _from_block_flags(
     seq_lengths: tuple[int, int],
     block_size: tuple[int, int],
     mask_mod: MaskMod | None,
+    compute_q_blocks: bool = True,
 ) -> BlockMask:
-    """BlockMask from bool block flags (..., QB, KVB) of partial and full blocks."""
+    """BlockMask from bool block flags (..., QB, KVB) of partial and full blocks (with
+    the transposed lists unless compute_q_blocks is False)."""
     kv_num, kv_idx = _dense_to_ordered(partial)
-    q_num, q_idx = _dense_to_ordered(partial.transpose(-2, -1))
+    full_kv_num = full_kv_idx = q_num = q_idx = full_q_num = full_q_idx = None
+    if compute_q_blocks:
+        q_num, q_idx = _dense_to_ordered(partial.transpose(-2, -1))
     if full is not None:
         full_kv_num, full_kv_idx = _dense_to_ordered(full)
-        full_q_num, full_q_idx = _dense_to_ordered(full.transpose(-2, -1))
-    else:
-        full_kv_num = full_kv_idx = full_q_num = full_q_idx = None
+        if compute_q_blocks:
+            full_q_num, full_q_idx = _dense_to_ordered(full.transpose(-2, -1))
     return BlockMask(
         seq_lengths,
         kv_num,

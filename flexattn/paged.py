@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .block_mask import BlockMask, _dense_to_ordered, _required_positional_count
+from .block_mask import BlockMask, _required_positional_count
 
 __all__ = ["PagedKVCache"]
 
@@ -108,16 +108,23 @@ class PagedKVCache:
             and for "pages" also the pool positions (``page_stride``).
         num_kv_heads: the pool's KV heads; required by the "pages" layout (its page
             stride is num_kv_heads pages), checked by ``allocate`` when given.
+        max_pages_per_slot: the most pages one slot may hold (default n_pages), so the
+            longest sequence is ``max_length = max_pages_per_slot * page_size`` tokens.
+            It is the width of the page tables and of the block lists that
+            ``block_mask_on_pages`` builds, whose cost grows with it: a server that
+            knows its longest sequence sets it, and the lists no longer grow with the
+            pool.
 
     Tensors (on ``device``, updated in place, so captured references stay valid):
 
-    * ``page_table`` (max_slots, n_pages) int32: logical page -> physical page, -1: none;
+    * ``page_table`` (max_slots, max_pages_per_slot) int32: logical page -> physical
+      page, -1: none;
     * ``owner_page`` (max_slots, n_pages) int32: physical page -> the slot's logical
       page, -1: not the slot's.
     """
 
     def __init__(self, n_pages: int, page_size: int, max_slots: int, device: torch.device | str = "cpu", *,
-                 layout: str = "heads", num_kv_heads: int | None = None):
+                 layout: str = "heads", num_kv_heads: int | None = None, max_pages_per_slot: int | None = None):
         for name, value in (("n_pages", n_pages), ("page_size", page_size), ("max_slots", max_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"flexattn: PagedKVCache {name} must be a positive int, got {value!r}")
@@ -130,13 +137,19 @@ class PagedKVCache:
                                          or num_kv_heads < 1):
             raise ValueError(f"flexattn: PagedKVCache num_kv_heads must be a positive int or None, "
                              f"got {num_kv_heads!r}")
-        self.layout, self.num_kv_heads = layout, num_kv_heads
+        if max_pages_per_slot is None:
+            max_pages_per_slot = n_pages
+        if (isinstance(max_pages_per_slot, bool) or not isinstance(max_pages_per_slot, int)
+                or not 1 <= max_pages_per_slot <= n_pages):
+            raise ValueError(f"flexattn: PagedKVCache max_pages_per_slot must be an int in [1, n_pages={n_pages}] "
+                             f"or None, got {max_pages_per_slot!r}")
+        self.layout, self.num_kv_heads, self.max_pages_per_slot = layout, num_kv_heads, max_pages_per_slot
         try:
             self.device = _canonical_device(device)
         except (RuntimeError, TypeError) as error:
             raise ValueError(f"flexattn: PagedKVCache device must name a torch device, got {device!r}") from error
         self.n_pages, self.page_size, self.max_slots = n_pages, page_size, max_slots
-        self.page_table = torch.full((max_slots, n_pages), -1, dtype=torch.int32, device=self.device)
+        self.page_table = torch.full((max_slots, max_pages_per_slot), -1, dtype=torch.int32, device=self.device)
         self.owner_page = torch.full((max_slots, n_pages), -1, dtype=torch.int32, device=self.device)
         self._pages: list[list[int]] = [[] for _ in range(max_slots)]
         self._free: list[int] = list(range(n_pages - 1, -1, -1))  # pop() hands out page 0 first
@@ -145,7 +158,8 @@ class PagedKVCache:
         used = self.n_pages - len(self._free)
         busy = sum(1 for pages in self._pages if pages)
         return (f"PagedKVCache(n_pages={self.n_pages}, page_size={self.page_size}, "
-                f"max_slots={self.max_slots}, device={self.device}, layout={self.layout!r}, "
+                f"max_slots={self.max_slots}, max_pages_per_slot={self.max_pages_per_slot}, "
+                f"device={self.device}, layout={self.layout!r}, "
                 f"pages_in_use={used}, slots_in_use={busy})")
 
     # ----------------------------------------------------------------------------------
@@ -165,8 +179,8 @@ class PagedKVCache:
 
     @property
     def max_length(self) -> int:
-        """The longest sequence the pool can hold: every page, n_pages * page_size tokens."""
-        return self.n_pages * self.page_size
+        """The longest sequence a slot can hold: max_pages_per_slot * page_size tokens."""
+        return self.max_pages_per_slot * self.page_size
 
     def capacity(self, slot: int) -> int:
         """Tokens the slot can hold now (its pages times the page size)."""
@@ -190,7 +204,9 @@ class PagedKVCache:
         """Give ``slot`` pages until it can hold at least ``length`` tokens (pages it
         already has are kept; a smaller length is a no-op).
 
-        Raises RuntimeError when the pool has too few free pages (nothing is changed).
+        Raises ValueError when the slot would hold more than ``max_pages_per_slot``
+        pages, RuntimeError when the pool has too few free pages (nothing is changed
+        either way).
         """
         self._check_slot(slot)
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
@@ -199,6 +215,11 @@ class PagedKVCache:
         needed = -(-length // self.page_size) - len(pages)
         if needed <= 0:
             return
+        if len(pages) + needed > self.max_pages_per_slot:
+            raise ValueError(
+                f"flexattn: PagedKVCache.reserve length {length} needs {len(pages) + needed} pages of "
+                f"{self.page_size} tokens for slot {slot}, more than max_pages_per_slot = "
+                f"{self.max_pages_per_slot} (max_length {self.max_length} tokens)")
         if needed > len(self._free):
             raise RuntimeError(
                 f"flexattn: PagedKVCache is out of pages: slot {slot} needs {needed} more page(s) of "
@@ -349,8 +370,8 @@ class PagedKVCache:
     def _pool_positions(self, slots: Tensor, positions: Tensor, validate: bool) -> Tensor:
         positions = positions.long()
         logical_page = torch.div(positions, self.page_size, rounding_mode="floor")
-        in_table = (positions >= 0) & (logical_page < self.n_pages)
-        page = self.page_table[slots.long()[:, None], logical_page.clamp(0, self.n_pages - 1)]
+        in_table = (positions >= 0) & (logical_page < self.max_pages_per_slot)
+        page = self.page_table[slots.long()[:, None], logical_page.clamp(0, self.max_pages_per_slot - 1)]
         if _values_checked(validate):
             bad = ~in_table | (page < 0)
             if bool(bad.any()):
@@ -448,7 +469,7 @@ class PagedKVCache:
         return paged_score_mod
 
     def block_mask_on_pages(self, block_mask: BlockMask, slots: Tensor | Sequence[int], *,
-                            validate: bool = True) -> BlockMask:
+                            validate: bool = True, compute_q_blocks: bool = False) -> BlockMask:
         """A BlockMask over the pool for the sequences ``slots`` (B,), from one built over
         logical positions.
 
@@ -467,12 +488,18 @@ class PagedKVCache:
         visible as the logical mask makes them: the mask must exclude positions at or
         beyond each sequence's length (a causal mask with the sequence's offset does).
 
-        The result always has ``pool_length / page_size`` columns (``n_pages``, or
-        ``(n_pages - 1) * num_kv_heads + 1`` for the "pages" layout, whose page p is
-        block ``p * num_kv_heads``) and KV_LEN = ``pool_length``, whatever
-        the logical KV length, so that growing sequences keep its shapes (no recompile).
-        Its tensors are computed on the device with no sync; it can be built inside a
-        compiled function.
+        The result has KV_LEN = ``pool_length`` (its KV blocks are the pool's,
+        ``n_pages``, or ``(n_pages - 1) * num_kv_heads + 1`` for the "pages" layout,
+        whose page p is block ``p * num_kv_heads``), and index rows of
+        ``max_pages_per_slot`` entries (a row lists at most its slot's pages; the
+        entries after its count are padding), whatever the logical KV length, so that
+        growing sequences keep its shapes (no recompile) and its cost follows the
+        pages a slot may hold, not the pool. Its tensors are computed on the device
+        with no sync; it can be built inside a compiled function.
+
+        The transposed lists that a backward needs span every block of the pool, so
+        they are left out unless ``compute_q_blocks=True`` (a call that needs a
+        backward through a mask without them raises).
         """
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"flexattn: PagedKVCache block_mask must be a flexattn.BlockMask, "
@@ -493,9 +520,9 @@ class PagedKVCache:
         self._check_device("block_mask", block_mask.kv_num_blocks)
         q_len, kv_len = block_mask.seq_lengths
         if kv_len > self.max_length:
-            raise ValueError(f"flexattn: PagedKVCache block_mask's KV length {kv_len} exceeds the pool's "
-                             f"{self.max_length} tokens; no sequence can be that long")
-        tables = self.page_table[slots.long()]                   # (B, n_pages)
+            raise ValueError(f"flexattn: PagedKVCache block_mask's KV length {kv_len} exceeds max_length = "
+                             f"{self.max_length} tokens (max_pages_per_slot pages); no sequence can be that long")
+        tables = self.page_table[slots.long()]                   # (B, max_pages_per_slot)
         page = self.page_size
 
         def listed(num: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
@@ -520,28 +547,25 @@ class PagedKVCache:
         return BlockMask.from_kv_blocks(
             kv_num, kv_order, full_num, full_order, BLOCK_SIZE=(q_block, kv_block),
             mask_mod=self._paged_mask_mod(block_mask.mask_mod, slots, limit),
-            seq_lengths=(q_len, self.pool_length),
+            seq_lengths=(q_len, self.pool_length), compute_q_blocks=compute_q_blocks,
         )
 
     def _page_lists(self, tables: Tensor, idx: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
-        """Block lists over the pool: ``idx`` (B, H, QB, M) logical block ids, ``keep``
-        which of them to list. Returns (num (B, H, QB) int32, indices (B, H, QB, blocks)
-        int32, blocks = pool_length / page_size), each index row a permutation of the
-        pool's blocks (the BlockMask layout): the blocks of the kept ones' physical pages
-        first, in their order, then the other blocks by id. A logical block the slot does
-        not own is not kept."""
+        """Block lists over the pool: ``idx`` (B, H, QB, M) logical block ids (distinct
+        within a row), ``keep`` which of them to list. Returns (num (B, H, QB) int32,
+        indices (B, H, QB, max_pages_per_slot) int32): each row lists the blocks of the
+        kept ones' physical pages first, in their order, then padding (block 0). A
+        logical block the slot does not own is not kept, so a row keeps at most
+        max_pages_per_slot blocks."""
         B, H, QB, M = idx.shape
-        n = self.n_pages
-        blocks = self.pool_length // self.page_size
-        physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, n), 3, idx.clamp(0, n - 1)).long()
-        keep = keep & (idx < n) & (physical >= 0)
-        block = physical * (self.page_stride // self.page_size)
-        # The kept blocks as flags (entries not kept aim at a scratch column, dropped):
-        # _dense_to_ordered lists them first, by id, then the other blocks, by id; the
-        # first num places then take the kept blocks in list order instead (entry j at its
-        # rank among the kept entries).
-        kept = torch.zeros(B, H, QB, blocks + 1, dtype=torch.bool, device=idx.device)
-        num, order = _dense_to_ordered(kept.scatter(-1, torch.where(keep, block, blocks), True)[..., :blocks])
-        place = torch.where(keep, torch.cumsum(keep, -1) - 1, blocks)
-        order = torch.cat([order, order.new_zeros(B, H, QB, 1)], dim=-1)
-        return num, order.scatter(-1, place, block.to(order.dtype))[..., :blocks].contiguous()
+        width = self.max_pages_per_slot
+        physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, width), 3,
+                                idx.clamp(0, width - 1)).long()
+        keep = keep & (idx < width) & (physical >= 0)
+        block = (physical * (self.page_stride // self.page_size)).to(torch.int32)
+        # Entry j goes to its rank among the kept entries; the others to a scratch column
+        # (as would the entries of a row that listed a block twice beyond the width).
+        place = torch.where(keep, (torch.cumsum(keep, -1) - 1).clamp(max=width), width)
+        order = torch.zeros(B, H, QB, width + 1, dtype=torch.int32, device=idx.device)
+        order = order.scatter(-1, place, block)[..., :width].contiguous()
+        return keep.sum(-1, dtype=torch.int32), order

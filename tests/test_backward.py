@@ -374,6 +374,25 @@ def test_no_full_blocks():
     run_case(dtype=torch.float16, L=n, S=n, block_mask=_causal_without_full_blocks(n, scaled(32, 128)))
 
 
+def test_narrow_index_rows():
+    """Index rows cut to the longest count (as PagedKVCache.block_mask_on_pages makes
+    them), padded with a block id that is also listed: forward and backward as with the
+    full-width mask."""
+    n, block = scaled(96, 1000), scaled(16, 128)
+    mask = create_block_mask(mods.sliding_window(scaled(20, 200)), None, None, n, n, device=DEVICE,
+                             BLOCK_SIZE=block)
+    width = int(max(mask.kv_num_blocks.max(), mask.full_kv_num_blocks.max()))
+    assert width < mask.kv_indices.shape[-1]
+
+    def cut(num, idx):
+        return num, torch.where(torch.arange(width, device=DEVICE) < num[..., None], idx[..., :width], 0)
+
+    narrow = BlockMask.from_kv_blocks(*cut(mask.kv_num_blocks, mask.kv_indices),
+                                      *cut(mask.full_kv_num_blocks, mask.full_kv_indices), BLOCK_SIZE=block,
+                                      mask_mod=mask.mask_mod, seq_lengths=(n, n))
+    run_case(dtype=torch.float16, L=n, S=n, block_mask=narrow)
+
+
 @pytest.mark.parametrize("options", [
     {"bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 16},
     {"bwd_num_warps": 2, "bwd_num_stages": 1, "BLOCK_M1": 16},

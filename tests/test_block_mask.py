@@ -436,6 +436,56 @@ def test_from_kv_blocks_defaults_and_validation():
         BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(64, -1))
 
 
+def _narrowed(mask: BlockMask, width: int, pad: int = 0, **kwargs) -> BlockMask:
+    """The same mask with index rows cut to ``width`` entries (at least every row's
+    count), padding ``pad`` in place of the entries past each count."""
+    def cut(num, idx):
+        if num is None:
+            return None, None
+        idx = idx[..., :width]
+        return num, torch.where(torch.arange(width) < num[..., None], idx, pad).to(torch.int32)
+
+    partial = cut(mask.kv_num_blocks, mask.kv_indices)
+    full = cut(mask.full_kv_num_blocks, mask.full_kv_indices)
+    return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod,
+                                    seq_lengths=mask.seq_lengths, **kwargs)
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_narrow_index_rows_describe_the_same_mask(pad):
+    """Index rows only need their counted entries: a mask whose rows are cut to the
+    longest count (padding repeating a block id) has the same block views, transposed
+    lists, crops and slices as the full-width one."""
+    mask = create_block_mask(sliding_window(200), 2, 1, 1000, 1000, device=CPU, BLOCK_SIZE=(64, 128))
+    width = int(max(mask.kv_num_blocks.max(), mask.full_kv_num_blocks.max()))
+    assert width < mask.kv_indices.shape[-1]
+    narrow = _narrowed(mask, width, pad)
+    assert narrow.kv_indices.shape[-1] == width and narrow.shape == mask.shape
+    assert torch.equal(narrow.to_dense(), mask.to_dense())
+    assert torch.equal(narrow._block_kinds(), mask._block_kinds())
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(narrow, name), getattr(mask, name)), name
+    assert narrow.sparsity() == mask.sparsity() and "block_grid=16x8" in repr(narrow)
+    assert narrow.to_string() == mask.to_string()
+    assert torch.equal(narrow[1].to_dense(), mask[1].to_dense())
+    assert torch.equal(narrow._adjust(500, 700).to_dense(), mask._adjust(500, 700).to_dense())
+
+
+def test_from_kv_blocks_without_q_blocks():
+    """compute_q_blocks=False (torch's argument) leaves the transposed lists out, and
+    slices and crops of such a mask stay without them."""
+    mask = create_block_mask(causal_mask, 1, 2, 300, 300, device=CPU, BLOCK_SIZE=64)
+    bare = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                    mask.full_kv_indices, BLOCK_SIZE=64, seq_lengths=(300, 300),
+                                    compute_q_blocks=False)
+    for candidate in (bare, bare[:, 1], bare._adjust(200, 200)):
+        assert all(getattr(candidate, name) is None
+                   for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"))
+    assert torch.equal(bare.to_dense(), mask.to_dense())
+    leaves, spec = pytree.tree_flatten(bare)
+    assert pytree.tree_unflatten(leaves, spec).q_indices is None
+
+
 # --------------------------------------------------------------------------------------
 # pytree and torch.compile
 # --------------------------------------------------------------------------------------

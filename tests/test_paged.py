@@ -181,9 +181,35 @@ def test_reserve_free_reuse():
     cache.reserve(2, 8)                      # the freed pages come back first, in order
     assert cache.pages(2) == [0, 1]
     with pytest.raises(RuntimeError, match="out of pages"):
-        cache.reserve(2, 40)
+        cache.reserve(2, 32)
+    with pytest.raises(ValueError, match="more than max_pages_per_slot = 8"):
+        cache.reserve(2, 33)
     assert cache.pages(2) == [0, 1] and cache.free_pages() == 5   # a failed reserve changes nothing
     assert "pages_in_use=3" in repr(cache)
+
+
+def test_max_pages_per_slot_caps_a_slot():
+    """A slot holds at most max_pages_per_slot pages: the page tables are that wide, and
+    so are the paged BlockMask's index rows (the pool keeps all its blocks)."""
+    cache = PagedKVCache(n_pages=10, page_size=4, max_slots=2, device=DEVICE, max_pages_per_slot=3)
+    assert cache.max_length == 12 and tuple(cache.page_table.shape) == (2, 3)
+    assert "max_pages_per_slot=3" in repr(cache)
+    cache.reserve(1, 2)
+    cache.reserve(0, 12)
+    with pytest.raises(ValueError, match=r"reserve length 13 needs 4 pages .* max_pages_per_slot = 3"):
+        cache.reserve(0, 13)
+    assert cache.pages(0) == [1, 2, 3] and cache.free_pages() == 6
+    with pytest.raises(ValueError, match="outside slot 0's reserved pages"):
+        cache.pool_positions([0], torch.tensor([[12]], device=DEVICE))
+    logical = flexattn.create_block_mask(flexattn.noop_mask, None, None, 1, 12, device=DEVICE, BLOCK_SIZE=(16, 4))
+    paged = cache.block_mask_on_pages(logical, [0, 1])
+    assert paged.seq_lengths == (1, cache.pool_length) and paged.kv_indices.shape == (2, 1, 1, 3)
+    assert paged.full_kv_num_blocks.flatten().tolist() == [3, 1]
+    assert paged.full_kv_indices[0, 0, 0].tolist() == [1, 2, 3] and paged.full_kv_indices[1, 0, 0, 0].item() == 0
+    assert paged.to_dense().shape == (2, 1, 1, 10)
+    with pytest.raises(ValueError, match="KV length 16 exceeds max_length = 12 tokens"):
+        cache.block_mask_on_pages(flexattn.create_block_mask(flexattn.noop_mask, None, None, 1, 16, device=DEVICE,
+                                                             BLOCK_SIZE=(16, 4)), [0, 1])
 
 
 @pytest.mark.parametrize("layout", POOL_LAYOUTS)
@@ -268,7 +294,7 @@ def _bad_inputs():
             flexattn.create_block_mask(mods.causal_mask, 1, None, 1, 64, device=DEVICE, BLOCK_SIZE=32), slots)),
         ("block_mask must have batch 1 or len", lambda: cache.block_mask_on_pages(
             flexattn.create_block_mask(mods.causal_mask, 3, None, 1, 32, device=DEVICE, BLOCK_SIZE=16), [0, 1])),
-        ("exceeds the pool's 64 tokens", lambda: cache.block_mask_on_pages(
+        ("exceeds max_length = 64 tokens", lambda: cache.block_mask_on_pages(
             flexattn.create_block_mask(mods.causal_mask, 1, None, 1, 65, device=DEVICE, BLOCK_SIZE=16), slots)),
         ("block_mask must be on the cache's device", lambda: cache.block_mask_on_pages(bm.to("meta"), slots)),
         ("allocate dtype", lambda: cache.allocate(2, 8, torch.int32)),
@@ -308,7 +334,8 @@ def test_checks_leave_the_cache_unchanged():
 def test_blocks_beyond_reserved_pages_are_dropped(layout):
     """A logical mask shared by the batch (B=None) lists every block up to the longest
     sequence; on the pages each row keeps only the blocks its slot owns, in order (on a
-    page-major pool of 3 heads page p is block 3 * p of 28)."""
+    page-major pool of 3 heads page p is block 3 * p of 28). Rows are n_pages wide (the
+    default max_pages_per_slot), padded with block 0."""
     cache = PagedKVCache(n_pages=10, page_size=16, max_slots=3, device=DEVICE, layout=layout, num_kv_heads=3)
     step = cache.page_stride // cache.page_size
     blocks = 9 * step + 1
@@ -317,7 +344,8 @@ def test_blocks_beyond_reserved_pages_are_dropped(layout):
     cache.reserve(2, 40)      # page 7
     logical = flexattn.create_block_mask(flexattn.noop_mask, None, None, 16, 70, device=DEVICE, BLOCK_SIZE=16)
     paged = cache.block_mask_on_pages(logical, [2, 0])
-    assert paged.seq_lengths == (16, cache.pool_length) and paged.kv_indices.shape == (2, 1, 1, blocks)
+    assert paged.seq_lengths == (16, cache.pool_length) and paged.kv_indices.shape == (2, 1, 1, 10)
+    assert paged.q_indices is None                  # no transposed lists unless asked for
     full_num, full_idx = paged.full_kv_num_blocks, paged.full_kv_indices
     partial_num = paged.kv_num_blocks
     # KV length 70: blocks 0..3 full, block 4 partial (it hangs over the end).
@@ -325,9 +353,11 @@ def test_blocks_beyond_reserved_pages_are_dropped(layout):
     assert full_idx[0, 0, 0, :3].tolist() == [step * p for p in (0, 1, 7)]
     assert full_idx[1, 0, 0, :4].tolist() == [step * p for p in (2, 3, 4, 5)]
     assert paged.kv_indices[1, 0, 0, 0].item() == step * 6
-    for idx in (paged.kv_indices, paged.full_kv_indices):  # the layout: each row a permutation of the blocks
-        assert (idx.sort(dim=-1).values == torch.arange(blocks, device=DEVICE)).all()
+    for num, idx in ((partial_num, paged.kv_indices), (full_num, paged.full_kv_indices)):
+        padding = torch.arange(10, device=DEVICE) >= num[..., None]
+        assert (idx[padding] == 0).all()
     dense = paged.to_dense()[:, 0, 0]       # (rows, blocks): which blocks are visited
+    assert dense.shape == (2, blocks)
     assert dense[0].nonzero().flatten().tolist() == [step * p for p in (0, 1, 7)]
     assert dense[1].nonzero().flatten().tolist() == [step * p for p in (2, 3, 4, 5, 6)]
 

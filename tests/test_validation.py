@@ -65,6 +65,31 @@ def test_block_mask_checks():
         _call(q, k, v, block_mask=torch.ones(40, 40, dtype=torch.bool))
 
 
+def test_backward_needs_the_transposed_lists():
+    """A mask built with compute_q_blocks=False serves calls without a backward; one
+    that needs a gradient (of q, k, v, or of a tensor the score_mod captures) raises,
+    eagerly and under torch.compile, naming compute_q_blocks."""
+    q, k, v = _qkv(L=40, S=40)
+    full = flexattn.create_block_mask(mods.causal_mask, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    bare = flexattn.BlockMask.from_kv_blocks(full.kv_num_blocks, full.kv_indices, full.full_kv_num_blocks,
+                                             full.full_kv_indices, BLOCK_SIZE=16, seq_lengths=(40, 40),
+                                             mask_mod=mods.causal_mask, compute_q_blocks=False)
+    torch.testing.assert_close(_call(q, k, v, block_mask=bare), _call(q, k, v, block_mask=full))
+    with pytest.raises(ValueError, match="compute_q_blocks=False.*query, key or value requires grad"):
+        _call(q.requires_grad_(), k, v, block_mask=bare)
+    with torch.no_grad():
+        torch.testing.assert_close(_call(q, k, v, block_mask=bare), _call(q, k, v, block_mask=full))
+    compiled = torch.compile(_call, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="compute_q_blocks=False"):
+        compiled(q, k, v, block_mask=bare)
+    bias = torch.zeros(4, requires_grad=True)
+    q.requires_grad_(False)
+    # Found while tracing the call (the captured tensor is only known then): Dynamo's
+    # error carries the message.
+    with pytest.raises(Exception, match="compute_q_blocks=False.*a tensor the call differentiates requires grad"):
+        _call(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score + bias[h], block_mask=bare)
+
+
 def test_block_mask_for_longer_sequences_is_retargeted():
     q, k, v = _qkv(L=40, S=40)
     big = flexattn.create_block_mask(mods.causal_mask, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)

@@ -27,7 +27,7 @@ from torch._inductor.lowering import fallback_handler, lowerings
 from torch._inductor.virtualized import V
 
 from .. import _compat
-from .._hop import BM_MASK_MOD, dense_math
+from .._hop import BM_MASK_MOD, dense_math, listed_grid
 
 #: Ops besides pointwise-tagged ones that act elementwise under broadcasting.
 _BROADCAST_SAFE = {
@@ -64,9 +64,7 @@ def _index_grids(B: int, H: int, L: int, S: int, device) -> list[torch.Tensor]:
 
 def _block_grid(num: torch.Tensor, idx: torch.Tensor, L: int, S: int, q_block: int, kv_block: int) -> torch.Tensor:
     """(Bm, Hm, L, S) bool: entries inside a KV block listed among the first num of its row."""
-    n_cols = idx.shape[-1]
-    listed = torch.arange(n_cols, device=idx.device) < num[..., None]
-    grid = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device).scatter(-1, idx.long(), listed)
+    grid = listed_grid(num, idx, max(idx.shape[-1], -(-S // kv_block), 1))
     q_block_of = torch.arange(L, device=idx.device) // q_block
     kv_block_of = torch.arange(S, device=idx.device) // kv_block
     return grid[..., q_block_of, :][..., kv_block_of]
