@@ -142,11 +142,12 @@ def paged_attention(cache, seqs, q, mask_mod, score_mod, *, q_block=16, options=
 
 
 def make_case(group: int, L: int, *, Hkv=2, E=16, page=16, lengths=(36, 100, 70), dtype=torch.float16,
-              window=48, seed=0, spare_pages=3, layout="heads"):
+              window=48, seed=0, spare_pages=3, layout="heads", capped=False):
+    """capped: max_pages_per_slot = the longest sequence's pages (else n_pages)."""
     lengths = [n + L for n in lengths]
     n_pages = sum(-(-n // page) for n in lengths) + spare_pages
     cache = PagedKVCache(n_pages=n_pages, page_size=page, max_slots=5, device=DEVICE, layout=layout,
-                         num_kv_heads=Hkv)
+                         num_kv_heads=Hkv, max_pages_per_slot=-(-max(lengths) // page) if capped else None)
     cache.shuffle_free_pages(torch.Generator().manual_seed(seed))   # pages in no particular order
     seqs = Sequences(cache, [3, 0, 4][:len(lengths)], lengths, Hkv, E, dtype, seed)
     Hq = Hkv * group
@@ -395,6 +396,21 @@ def test_paged_matches_contiguous_kernels(group, L, options, layout):
     assert cache.pool_length >= 256             # long enough for the automatic decode choice
     (out, lse), code = run_and_get_code(paged_attention, cache, seqs, q, mask_mod, score_mod, options=options)
     mark = MAIN_MARK if options and options.get("FORCE_DECODE") is False else DECODE_MARK
+    assert mark in "\n".join(code), f"{mark} is not in the generated code"
+    seqs.check("paged", q, out, lse, mask_mod, score_mod)
+
+
+@kernel
+@pytest.mark.parametrize("layout,options", [("heads", None), ("pages", None), ("heads", {"FORCE_DECODE": False})],
+                         ids=["decode-heads", "decode-pages", "main-heads"])
+def test_capped_slots_kernels(layout, options):
+    """max_pages_per_slot at the longest sequence's pages: block lists of 10 entries in
+    a pool of 18 pages (head-major) or 35 blocks (page-major), through the kernels."""
+    cache, seqs, q, mask_mod, score_mod = make_case(2, 1, Hkv=2, seed=11, lengths=(152, 70), layout=layout,
+                                                    capped=True)
+    assert cache.max_pages_per_slot == 10 and cache.pool_length // cache.page_size >= 18
+    (out, lse), code = run_and_get_code(paged_attention, cache, seqs, q, mask_mod, score_mod, options=options)
+    mark = MAIN_MARK if options else DECODE_MARK
     assert mark in "\n".join(code), f"{mark} is not in the generated code"
     seqs.check("paged", q, out, lse, mask_mod, score_mod)
 

@@ -497,6 +497,11 @@ def lower_to_decode_template(
     programs = _hint(B) * head_tiles * math.ceil(_hint(L) / pack.block_q)
     sms = multiprocessor_count(device)
     max_blocks = math.ceil(_hint(S) / call.sparse_kv)
+    if not spec["DENSE_KV"]:
+        # A row lists at most its index row's width of blocks (narrower than the KV
+        # blocks for a paged cache's masks).
+        widths = [_hint(t.get_size()[-1]) for t in (call.kv_indices, call.full_kv_indices) if t is not None]
+        max_blocks = max(1, min(max_blocks, max(widths)))
     split_kv = split_count(sms=sms, programs=programs,
                            max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options,
                            max_blocks=None if spec["DENSE_KV"] else max_blocks,
