@@ -694,18 +694,9 @@ def test_split_count():
     # With BlockMask lists a share takes whole blocks: at most one split per listed block.
     assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=5) == 5
     assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=64) == 16
-    # Long default-mask rows: fewer tiles than multiprocessors get one program per
-    # multiprocessor (no MIN_SPLIT_KV floor); a wave's worth of tiles MIN_WAVES waves.
-    long_keys, short_keys = dec.LONG_ROW_KEYS, dec.LONG_ROW_KEYS - 1
-    assert dec.split_count(sms=132, programs=64, max_steps=2048, kernel_options={}, dense_keys=long_keys) == 2
-    assert dec.split_count(sms=132, programs=64, max_steps=2048, kernel_options={},
-                           dense_keys=short_keys) == dec.MIN_SPLIT_KV
-    assert dec.split_count(sms=132, programs=8, max_steps=2048, kernel_options={}, dense_keys=long_keys) == 16
-    split = dec.split_count(sms=132, programs=256, max_steps=2048, kernel_options={}, dense_keys=long_keys)
-    assert split & (split - 1) == 0 and split // 2 * 256 < dec.MIN_WAVES * wave <= split * 256
-    assert dec.split_count(sms=132, programs=256, max_steps=2048, kernel_options={}, dense_keys=short_keys) == 1
-    assert dec.split_count(sms=132, programs=256, max_steps=2048, kernel_options={"SPLIT_KV": 1},
-                           dense_keys=long_keys) == 1
+    # Rows of any length follow the same rule (no long-row exception since session 14).
+    assert dec.split_count(sms=132, programs=64, max_steps=2048, kernel_options={}) == dec.MIN_SPLIT_KV
+    assert dec.split_count(sms=132, programs=256, max_steps=2048, kernel_options={}) == 1
 
 
 def test_widen_for_latency():

@@ -123,15 +123,6 @@ RESIDENT_PROGRAMS_PER_SM = 3
 #: last, partly filled wave is a small part of the time (B=64, 512 tiles: 4 splits 487 us,
 #: 2 splits 502, none 553; SDPA 484).
 MIN_WAVES = 4
-#: A default-mask row of at least this many keys is long: its programs stream so many
-#: bytes that the split follows the memory system, not the latency of a short share.
-#: Fewer programs than multiprocessors then get one program per multiprocessor (B=8, KV
-#: 128k: 2 splits with 128-key steps 943.9-946.9 us where MIN_SPLIT_KV's 4 took 951.3,
-#: SDPA 947.0); a wave's worth or fewer tiles are split into MIN_WAVES waves instead of
-#: not at all (B=32, KV 128k: 8 splits 3748.6 us, unsplit 3778.7, SDPA 3757.3). H200,
-#: bench/tune_decode.py, CUDA-graph us; the same best configurations in session 10's sweep
-#: on another H200. At KV 32k neither gained over 0.5%, so the rule starts above it.
-LONG_ROW_KEYS = 65536
 #: KV step of a latency-bound call (no more programs than multiprocessors): wider steps
 #: put more bytes in flight per program (B=1 KV 32k: 40 us with 128, 49 with 64).
 LATENCY_BLOCK_N = 128
@@ -338,18 +329,14 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict[str, Any],
-                max_blocks: int | None = None, dense_keys: int | None = None) -> int:
+                max_blocks: int | None = None) -> int:
     """SPLIT_KV for ``programs`` tiles on ``sms`` multiprocessors (a wave: sms *
     RESIDENT_PROGRAMS_PER_SM programs at once):
 
     * fewer tiles than multiprocessors: PROGRAMS_PER_SM programs per multiprocessor and at
-      least MIN_SPLIT_KV splits (unless the row is long), but no more programs than a wave;
-    * at least one tile per multiprocessor, within one wave: 1 (no split), unless the row
-      is long: then as beyond a wave;
+      least MIN_SPLIT_KV splits, but no more programs than a wave;
+    * at least one tile per multiprocessor, within one wave: 1 (no split);
     * more tiles than a wave: enough splits for MIN_WAVES waves (a power of two);
-
-    a row is long when the call walks the default mask (``dense_keys``, its KV length) over
-    at least LONG_ROW_KEYS keys;
 
     each split keeping at least MIN_STEPS_PER_SPLIT steps of a dense row (of max_steps)
     and, where shares take whole blocks (every call with BlockMask lists), at least one
@@ -362,11 +349,16 @@ def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict
         return pinned
     programs = max(programs, 1)
     wave = sms * RESIDENT_PROGRAMS_PER_SM
-    long_row = dense_keys is not None and dense_keys >= LONG_ROW_KEYS
-    if programs > wave or (long_row and programs >= sms):
-        # More tiles than one wave, or a wave's worth of long rows: MIN_WAVES waves, the
-        # split rounded up to a power of two (whole, equal shares of a power-of-two row;
-        # B=32, KV 128k: 7 splits 3919.9 us, 8 splits 3751.4, SDPA 3744.0).
+    # Session 10 split long default-mask rows (KV >= 64k) apart from this rule: B=8 into
+    # one program per multiprocessor (2 splits) and B=32 into MIN_WAVES waves (8 splits),
+    # each up to 0.8% ahead on its H200. On another H200 (session 14, bench/ab_decode.py,
+    # CUDA-graph us, KV 128k) those lost 1-2.2%: B=32 3763.0 against 3682.5 unsplit (a
+    # pure read of the bytes: 3683.3; SDPA 3668.9), B=8 942.8 against 933.1 with 4 splits
+    # (read 924.0; SDPA 925.8). This rule's worst reading over both machines is the better.
+    if programs > wave:
+        # More tiles than one wave: MIN_WAVES waves (see there), the split rounded up to
+        # a power of two (whole, equal shares of a power-of-two row: at B=32 KV 128k 7
+        # splits took 3919.9 us where 8 took 3751.4).
         wanted = _next_power_of_two(math.ceil(MIN_WAVES * wave / programs))
     elif programs >= sms:
         # The tiles alone fill the GPU in one wave: splitting would only add partials, a
@@ -376,8 +368,7 @@ def split_count(*, sms: int, programs: int, max_steps: int, kernel_options: dict
     else:
         # Rounded down: one program past a whole number per SM is a second round; and no
         # more programs than one wave.
-        least = 1 if long_row else MIN_SPLIT_KV
-        wanted = min(max(PROGRAMS_PER_SM * sms // programs, least), max(wave // programs, 1))
+        wanted = min(max(PROGRAMS_PER_SM * sms // programs, MIN_SPLIT_KV), max(wave // programs, 1))
     useful = math.ceil(max_steps / MIN_STEPS_PER_SPLIT)
     if max_blocks is not None:
         useful = min(useful, max_blocks)
@@ -504,8 +495,7 @@ def lower_to_decode_template(
         max_blocks = max(1, min(max_blocks, max(widths)))
     split_kv = split_count(sms=sms, programs=programs,
                            max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options,
-                           max_blocks=None if spec["DENSE_KV"] else max_blocks,
-                           dense_keys=_hint(S) if spec["DENSE_KV"] else None)
+                           max_blocks=None if spec["DENSE_KV"] else max_blocks)
     usable = widen_for_latency(usable, programs * split_kv, sms, _hint(S) // split_kv, dtype, call.sparse_kv,
                                kernel_options)
     usable = stream_step(usable, generation=cfgs.gpu_generation(device), tiles=programs, sms=sms,
