@@ -245,9 +245,14 @@ def block_mask_visibility(block_mask: tuple, B: int, H: int, L: int, S: int, dev
 def listed_grid(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:
     """Block lists -> bool (..., rows, num_cols): column c of row r is set when c is
     among the first num_blocks[..., r] entries of indices[..., r, :]. The entries after
-    those (padding, which may repeat ids) are sent to a scratch column and dropped."""
+    those (padding, which may repeat ids) are sent to a scratch column and dropped, and
+    so are listed ids outside [0, num_cols) (an invalid mask, which BlockMask.from_kv_blocks
+    reports where it can read the values for free), instead of failing in the scatter
+    (on a GPU, a device-side assert)."""
     slots = torch.arange(indices.shape[-1], device=indices.device)
-    columns = torch.where(slots < num_blocks.unsqueeze(-1), indices.to(torch.int64), num_cols)
+    ids = indices.to(torch.int64)
+    listed = (slots < num_blocks.unsqueeze(-1)) & (ids >= 0) & (ids < num_cols)
+    columns = torch.where(listed, ids, num_cols)
     grid = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=torch.bool, device=indices.device)
     return grid.scatter_(-1, columns, True)[..., :num_cols]
 

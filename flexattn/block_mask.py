@@ -543,6 +543,58 @@ def _normalize_block_size(BLOCK_SIZE: Any) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def _check_kv_lists(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any, full_kv_indices: Any) -> None:
+    """Shape checks of the per-query-block KV lists (BlockMask and from_kv_blocks)."""
+    if not isinstance(kv_indices, Tensor) or kv_indices.dim() < 2:
+        raise ValueError(
+            "kv_indices must be a tensor with at least 2 dims (..., query_blocks, "
+            f"kv_blocks), got {getattr(kv_indices, 'shape', kv_indices)!r}"
+        )
+    if not isinstance(kv_num_blocks, Tensor) or kv_num_blocks.shape != kv_indices.shape[:-1]:
+        raise ValueError(
+            f"kv_num_blocks must have shape kv_indices.shape[:-1] = "
+            f"{tuple(kv_indices.shape[:-1])}, got {getattr(kv_num_blocks, 'shape', kv_num_blocks)!r}"
+        )
+    if (full_kv_num_blocks is None) != (full_kv_indices is None):
+        raise ValueError(
+            "full_kv_num_blocks and full_kv_indices must be given together or both be None"
+        )
+    for name, indices in (("kv_indices", kv_indices), ("full_kv_indices", full_kv_indices)):
+        # The kernels read a row's first entry whatever its count (a zero-width row
+        # would be read out of bounds); a tensor without rows has nothing to read.
+        if isinstance(indices, Tensor) and indices.dim() and indices.shape[-1] == 0 \
+                and math.prod(indices.shape[:-1]) > 0:
+            raise ValueError(
+                f"{name} must hold at least one entry per row (its last dim, the row width, "
+                f"must be >= 1, even for rows that list no block), got shape {tuple(indices.shape)}"
+            )
+
+
+def _values_readable(*tensors: Tensor | None) -> bool:
+    """Whether a check may read these tensors' values at no device sync and without a
+    data-dependent branch in a trace: plain CPU tensors (not fake, meta or functional
+    ones), outside torch.compile."""
+    return not torch.compiler.is_compiling() and all(
+        type(t) is Tensor and t.device.type == "cpu" for t in tensors if t is not None
+    )
+
+
+def _check_listed_ids(argument: str, num_blocks: Tensor, indices: Tensor, num_cols: int, kv_block: int) -> None:
+    """Raise if a counted entry of ``indices`` is not a block id in [0, num_cols), the
+    KV blocks of from_kv_blocks' default seq_lengths (the rows' width)."""
+    counted = torch.arange(indices.shape[-1], device=indices.device) < num_blocks.unsqueeze(-1)
+    bad = counted & ((indices < 0) | (indices >= num_cols))
+    if not bool(bad.any()):
+        return
+    where = tuple(int(i) for i in bad.nonzero()[0])
+    raise ValueError(
+        f"{argument}[{', '.join(map(str, where))}] = {int(indices[where])} is not a KV block id in "
+        f"[0, {num_cols}): without seq_lengths the KV length is the rows' width, {num_cols} blocks of "
+        f"{kv_block}; index rows narrower than the KV blocks need seq_lengths (the KV length the ids "
+        f"refer to)"
+    )
+
+
 class BlockMask:
     """Block-sparse description of an attention mask, in the layout the kernels read.
 
@@ -564,7 +616,10 @@ class BlockMask:
     reads (masks built here pad with the remaining ids). A row may hold fewer entries
     than there are KV blocks (KVB = cdiv(kv_len, kv_block)) as long as it holds its
     ``num_blocks``: ``PagedKVCache.block_mask_on_pages`` makes rows as wide as a
-    sequence's pages, not the pool's.
+    sequence's pages, not the pool's. Rows hold at least one entry (the kernels read a
+    row's first entry whatever its count). The constructor checks shapes, not values:
+    listed ids must lie in [0, cdiv(kv_len, kv_block)) (or the rows' width, where that
+    is larger).
     """
 
     _TENSOR_FIELDS = (
@@ -592,20 +647,7 @@ class BlockMask:
         BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
         mask_mod: MaskMod | None = None,
     ) -> None:
-        if not isinstance(kv_indices, Tensor) or kv_indices.dim() < 2:
-            raise ValueError(
-                "kv_indices must be a tensor with at least 2 dims (..., query_blocks, "
-                f"kv_blocks), got {getattr(kv_indices, 'shape', kv_indices)!r}"
-            )
-        if not isinstance(kv_num_blocks, Tensor) or kv_num_blocks.shape != kv_indices.shape[:-1]:
-            raise ValueError(
-                f"kv_num_blocks must have shape kv_indices.shape[:-1] = "
-                f"{tuple(kv_indices.shape[:-1])}, got {getattr(kv_num_blocks, 'shape', kv_num_blocks)!r}"
-            )
-        if (full_kv_num_blocks is None) != (full_kv_indices is None):
-            raise ValueError(
-                "full_kv_num_blocks and full_kv_indices must be given together or both be None"
-            )
+        _check_kv_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         if (full_q_num_blocks is None) != (full_q_indices is None):
             raise ValueError(
                 "full_q_num_blocks and full_q_indices must be given together or both be None"
@@ -636,26 +678,30 @@ class BlockMask:
     ) -> BlockMask:
         """Build a BlockMask from the per-query-block KV lists; derives the transposed view.
 
-        ``seq_lengths`` defaults to the block grid times ``BLOCK_SIZE``; ``mask_mod``
-        to ``noop_mask``. ``compute_q_blocks=False`` leaves the transposed lists out
-        (they cost a pass over every KV block of every row): the mask then serves
-        forward calls only, and a call that needs a backward raises.
+        ``seq_lengths`` defaults to the block grid times ``BLOCK_SIZE``, i.e. a KV
+        length of the index rows' width in blocks: rows narrower than the KV blocks
+        (see the class docstring) need ``seq_lengths``, the KV length their block ids
+        refer to. Listed ids must lie in [0, cdiv(kv_len, kv_block)). They are checked
+        only against the default seq_lengths, and only where that costs no device sync
+        (CPU tensors, outside torch.compile); an id out of range that is not caught is
+        dropped by the block views (to_dense, the transposed lists) and read out of
+        range by the kernels. ``mask_mod`` defaults to ``noop_mask``.
+        ``compute_q_blocks=False`` leaves the transposed lists out (they cost a pass
+        over every KV block of every row): the mask then serves forward calls only,
+        and a call that needs a backward raises.
         """
-        if not isinstance(kv_indices, Tensor) or kv_indices.dim() < 2:
-            raise ValueError(
-                "kv_indices must be a tensor with at least 2 dims (..., query_blocks, "
-                f"kv_blocks), got {getattr(kv_indices, 'shape', kv_indices)!r}"
-            )
-        if (full_kv_num_blocks is None) != (full_kv_indices is None):
-            raise ValueError(
-                "full_kv_num_blocks and full_kv_indices must be given together or both be None"
-            )
+        _check_kv_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         block_size = _normalize_block_size(BLOCK_SIZE)
         if seq_lengths is None:
             seq_lengths = (
                 kv_indices.shape[-2] * block_size[0],
                 kv_indices.shape[-1] * block_size[1],
             )
+            if _values_readable(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices):
+                for name, num, idx in (("kv_indices", kv_num_blocks, kv_indices),
+                                       ("full_kv_indices", full_kv_num_blocks, full_kv_indices)):
+                    if idx is not None:
+                        _check_listed_ids(name, num, idx, kv_indices.shape[-1], block_size[1])
         num_cols = _kv_columns(kv_indices, seq_lengths, block_size)
         q_num_blocks = q_indices = full_q_num_blocks = full_q_indices = None
         if compute_q_blocks:

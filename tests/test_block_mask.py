@@ -436,6 +436,46 @@ def test_from_kv_blocks_defaults_and_validation():
         BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(64, -1))
 
 
+def test_zero_width_index_rows_are_rejected():
+    """The kernels read a row's first entry whatever its count: index rows need at least
+    one entry. A mask without rows (no query blocks) may have zero-width ones."""
+    num = torch.zeros(1, 1, 1, dtype=torch.int32)
+    empty, one = torch.zeros(1, 1, 1, 0, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32)
+    expected = r"must hold at least one entry per row .* got shape \(1, 1, 1, 0\)"
+    with pytest.raises(ValueError, match="kv_indices " + expected):
+        BlockMask.from_kv_blocks(num, empty, BLOCK_SIZE=16, seq_lengths=(16, 16))
+    with pytest.raises(ValueError, match="full_kv_indices " + expected):
+        BlockMask.from_kv_blocks(num, one, num, empty, BLOCK_SIZE=16, seq_lengths=(16, 16))
+    with pytest.raises(ValueError, match="kv_indices " + expected):
+        BlockMask((16, 16), num, empty, None, None, None, None, None, None, BLOCK_SIZE=16)
+    rowless = BlockMask.from_kv_blocks(num[..., :0], empty[..., :0, :], BLOCK_SIZE=16, seq_lengths=(0, 16))
+    assert rowless.kv_indices.shape == (1, 1, 0, 0)
+    # Tiny lengths still give one-entry rows.
+    tiny = create_block_mask(causal_mask, 1, 1, 1, 1, device=CPU)
+    assert tiny.kv_indices.shape[-1] == 1 and tiny._adjust(1, 1).kv_indices.shape[-1] == 1
+
+
+def test_narrow_rows_without_seq_lengths_are_reported():
+    """Without seq_lengths the KV length is the rows' width: a listed id beyond it (rows
+    narrower than the KV blocks they refer to) raises on the CPU, naming seq_lengths,
+    instead of being dropped or failing in a scatter; with seq_lengths it is a block."""
+    num = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[5, 0], [1, 2]]]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"kv_indices\[0, 0, 0, 0\] = 5 is not a KV block id in \[0, 2\).*"
+                                         r"need seq_lengths"):
+        BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match=r"full_kv_indices\[0, 0, 1, 1\] = 2 is not a KV block id"):
+        BlockMask.from_kv_blocks(num * 0, idx, num, torch.tensor([[[[0, 5], [0, 2]]]], dtype=torch.int32),
+                                 BLOCK_SIZE=16)
+    mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(32, 96))
+    assert mask.to_dense().tolist() == [[[[0, 0, 0, 0, 0, 1], [0, 1, 1, 0, 0, 0]]]]
+    assert mask.q_num_blocks.tolist() == [[[0, 1, 1, 0, 0, 1]]]
+    # Ids beyond the given seq_lengths are not checked (that would read the values),
+    # and the block views drop them rather than fail.
+    over = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(32, 64))
+    assert over.to_dense().tolist() == [[[[0, 0, 0, 0], [0, 1, 1, 0]]]]
+
+
 def _narrowed(mask: BlockMask, width: int, pad: int = 0, **kwargs) -> BlockMask:
     """The same mask with index rows cut to ``width`` entries (at least every row's
     count), padding ``pad`` in place of the entries past each count."""
