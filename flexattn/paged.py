@@ -476,7 +476,7 @@ class PagedKVCache:
         ``block_mask`` has batch 1 or B, any heads, Q_LEN = the query length, KV_LEN up to
         ``max_length`` (typically the longest sequence), and KV block size equal to
         ``page_size``: ``create_block_mask(mask_mod, B, None, L, max_len,
-        BLOCK_SIZE=(q_block, cache.page_size))``.
+        BLOCK_SIZE=(q_block, cache.page_size))``. Its rows must not list a block twice.
 
         The attention it gives on the pool is the attention the logical mask gives on a
         contiguous (B, Hkv, KV_LEN, D) cache holding each slot's tokens: each listed
@@ -556,7 +556,9 @@ class PagedKVCache:
         indices (B, H, QB, max_pages_per_slot) int32): each row lists the blocks of the
         kept ones' physical pages first, in their order, then padding (block 0). A
         logical block the slot does not own is not kept, so a row keeps at most
-        max_pages_per_slot blocks."""
+        max_pages_per_slot blocks. A logical row that lists a block twice is invalid;
+        its count is still clamped to the row width, so the kernels never read past
+        the row."""
         B, H, QB, M = idx.shape
         width = self.max_pages_per_slot
         physical = torch.gather(tables[:, None, None, :].expand(B, H, QB, width), 3,
@@ -568,4 +570,4 @@ class PagedKVCache:
         place = torch.where(keep, (torch.cumsum(keep, -1) - 1).clamp(max=width), width)
         order = torch.zeros(B, H, QB, width + 1, dtype=torch.int32, device=idx.device)
         order = order.scatter(-1, place, block)[..., :width].contiguous()
-        return keep.sum(-1, dtype=torch.int32), order
+        return keep.sum(-1, dtype=torch.int32).clamp(max=width), order

@@ -363,6 +363,20 @@ def test_blocks_beyond_reserved_pages_are_dropped(layout):
     assert dense[1].nonzero().flatten().tolist() == [step * p for p in (2, 3, 4, 5, 6)]
 
 
+def test_a_block_listed_twice_keeps_the_count_within_the_row():
+    """An invalid logical row that lists a block twice keeps each listing; its count on
+    the pages is clamped to the row width (max_pages_per_slot), so the kernels never
+    read past the row."""
+    cache = PagedKVCache(n_pages=6, page_size=16, max_slots=2, device=DEVICE, max_pages_per_slot=2)
+    cache.reserve(1, 32)
+    idx = torch.tensor([[[[0, 1, 0]]]], dtype=torch.int32, device=DEVICE)
+    num = torch.tensor([[[3]]], dtype=torch.int32, device=DEVICE)
+    logical = flexattn.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(16, 32))
+    paged = cache.block_mask_on_pages(logical, [1])
+    assert paged.kv_indices.shape[-1] == 2 and paged.kv_num_blocks.flatten().tolist() == [2]
+    assert paged.kv_indices.flatten().tolist() == cache.pages(1)
+
+
 # --------------------------------------------------------------------------------------
 # Attention on the pool vs each sequence's contiguous cache
 # --------------------------------------------------------------------------------------
