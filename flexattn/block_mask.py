@@ -911,7 +911,9 @@ class BlockMask:
         the new lengths are); a partial block that now hangs over a new end stays
         partial, where create_block_mask at the new lengths may find it full. Valid for
         masks whose value at a position does not depend on the sequence lengths, such
-        as causal or sliding-window masks.
+        as causal or sliding-window masks. Index rows narrower than the KV blocks (a
+        paged mask's) are cropped in place and keep their width (at most the new KV
+        blocks), without going through the (..., QB, KVB) flags of the whole grid.
         """
         _check_positive_int(new_q_len, "new_q_len")
         _check_positive_int(new_kv_len, "new_kv_len")
@@ -923,12 +925,41 @@ class BlockMask:
                 f"_adjust can only shrink a BlockMask: ({new_q_len}, {new_kv_len}) needs "
                 f"{rows}x{cols} blocks of {self.BLOCK_SIZE}, the mask has {old_rows}x{old_cols}"
             )
+        widths = [idx.shape[-1] for idx in (self.kv_indices, self.full_kv_indices) if idx is not None]
+        if min(widths) < self._block_grid()[1]:
+            return self._adjust_narrow(new_q_len, new_kv_len, rows, cols)
         partial = _ordered_to_dense(self.kv_num_blocks, self.kv_indices, old_cols)[..., :rows, :cols].bool()
         full = None
         if self.full_kv_num_blocks is not None:
             full = _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, old_cols)[..., :rows, :cols].bool()
         return _from_block_flags(partial, full, (new_q_len, new_kv_len), self.BLOCK_SIZE, self.mask_mod,
                                  compute_q_blocks=self.q_indices is not None)
+
+    def _adjust_narrow(self, new_q_len: int, new_kv_len: int, rows: int, cols: int) -> BlockMask:
+        """_adjust of a mask with index rows narrower than its KV blocks: the first
+        ``rows`` query blocks' rows, with the listed ids below ``cols`` moved to the
+        front in their order (each to its rank among the kept ones, as
+        PagedKVCache._page_lists places them), padding 0, at most ``cols`` wide."""
+
+        def crop(num: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+            num, idx = num[..., :rows], idx[..., :rows, :]
+            width = min(idx.shape[-1], cols)
+            slots = torch.arange(idx.shape[-1], device=idx.device)
+            keep = (slots < num.unsqueeze(-1)) & (idx >= 0) & (idx < cols)
+            # Kept entries go to their rank, the others (and the ranks past the width of
+            # an invalid row that lists a block twice) to a scratch column.
+            place = torch.where(keep, (torch.cumsum(keep, -1) - 1).clamp(max=width), width)
+            order = torch.zeros(*idx.shape[:-1], width + 1, dtype=idx.dtype, device=idx.device)
+            order = order.scatter(-1, place, idx)[..., :width].contiguous()
+            return keep.sum(-1, dtype=num.dtype).clamp(max=width).contiguous(), order
+
+        partial = crop(self.kv_num_blocks, self.kv_indices)
+        full = (None, None)
+        if self.full_kv_num_blocks is not None:
+            full = crop(self.full_kv_num_blocks, self.full_kv_indices)
+        return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+                                        seq_lengths=(new_q_len, new_kv_len),
+                                        compute_q_blocks=self.q_indices is not None)
 
     def adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
         """Public name of :meth:`_adjust`: crop the mask to shorter sequence lengths."""

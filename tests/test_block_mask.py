@@ -511,6 +511,33 @@ def test_narrow_index_rows_describe_the_same_mask(pad):
     assert torch.equal(narrow._adjust(500, 700).to_dense(), mask._adjust(500, 700).to_dense())
 
 
+@pytest.mark.parametrize("new_lengths", [(1000, 1000), (500, 700), (129, 300), (1, 1), (640, 256)])
+@pytest.mark.parametrize("compute_q_blocks", [True, False])
+def test_adjust_keeps_narrow_rows(new_lengths, compute_q_blocks):
+    """_adjust of a mask with narrow index rows crops the rows in place: the same block
+    kinds (full stays full, partial partial) and transposed lists as the full-width
+    mask's crop, rows as wide as before (or the new KV blocks, where fewer), the listed
+    blocks first in their order, padding 0."""
+    mask = create_block_mask(sliding_window(200), 2, 1, 1000, 1000, device=CPU, BLOCK_SIZE=(64, 128))
+    width = int(max(mask.kv_num_blocks.max(), mask.full_kv_num_blocks.max()))
+    narrow = _narrowed(mask, width, pad=3, compute_q_blocks=compute_q_blocks)
+    adjusted, expected = narrow._adjust(*new_lengths), mask._adjust(*new_lengths)
+    cols = -(-new_lengths[1] // 128)
+    assert adjusted.kv_indices.shape[-1] == adjusted.full_kv_indices.shape[-1] == min(width, cols)
+    assert adjusted.seq_lengths == new_lengths and adjusted.mask_mod is mask.mask_mod
+    assert torch.equal(adjusted.to_dense(), expected.to_dense())
+    assert torch.equal(adjusted._block_kinds(), expected._block_kinds())
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        if compute_q_blocks:
+            assert torch.equal(getattr(adjusted, name), getattr(expected, name)), name
+        else:
+            assert getattr(adjusted, name) is None, name
+    for num, idx in ((adjusted.kv_num_blocks, adjusted.kv_indices),
+                     (adjusted.full_kv_num_blocks, adjusted.full_kv_indices)):
+        padding = torch.arange(idx.shape[-1]) >= num[..., None]
+        assert (idx[padding] == 0).all()
+
+
 def test_from_kv_blocks_without_q_blocks():
     """compute_q_blocks=False (torch's argument) leaves the transposed lists out, and
     slices and crops of such a mask stay without them."""

@@ -377,6 +377,30 @@ def test_a_block_listed_twice_keeps_the_count_within_the_row():
     assert paged.kv_indices.flatten().tolist() == cache.pages(1)
 
 
+@pytest.mark.parametrize("layout", ["heads", "pages"])
+def test_adjust_keeps_the_paged_width(layout):
+    """Cropping a paged mask to a shorter pool (flex_attention does so for shorter keys)
+    keeps its max_pages_per_slot-wide rows and gives the blocks that the crop of the
+    mask of an uncapped cache gives (n_pages wide: the pool's blocks for "heads", whose
+    crop goes through the dense flags; fewer for "pages")."""
+    masks = []
+    for cap in (None, 3):
+        cache = PagedKVCache(n_pages=10, page_size=16, max_slots=2, device=DEVICE, layout=layout, num_kv_heads=2,
+                             max_pages_per_slot=cap)
+        cache.reserve(0, 20)        # pages 0, 1
+        cache.reserve(1, 48)        # pages 2, 3, 4
+        logical = flexattn.create_block_mask(mods.causal_mask, None, None, 40, 40, device=DEVICE, BLOCK_SIZE=16)
+        masks.append(cache.block_mask_on_pages(logical, [0, 1], compute_q_blocks=True))
+    wide, narrow = masks
+    assert narrow.kv_indices.shape[-1] == 3 and wide.kv_indices.shape[-1] == 10    # n_pages
+    kv_len = 3 * cache.page_stride + 7        # cuts page 3 (of slot 1): blocks 0..3 stay
+    cropped = narrow._adjust(40, kv_len)
+    assert cropped.kv_indices.shape[-1] == cropped.full_kv_indices.shape[-1] == 3
+    assert torch.equal(cropped.to_dense(), wide._adjust(40, kv_len).to_dense())
+    assert torch.equal(cropped._block_kinds(), wide._adjust(40, kv_len)._block_kinds())
+    assert torch.equal(cropped.q_indices, wide._adjust(40, kv_len).q_indices)
+
+
 # --------------------------------------------------------------------------------------
 # Attention on the pool vs each sequence's contiguous cache
 # --------------------------------------------------------------------------------------
