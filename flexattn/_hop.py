@@ -52,7 +52,8 @@ BM_Q_BLOCK_SIZE, BM_KV_BLOCK_SIZE, BM_MASK_MOD = 10, 11, 12
 NO_Q_BLOCKS_ERROR = (
     "flexattn: block_mask has no transposed (per-KV-block) lists, which the backward needs "
     "(it was built with compute_q_blocks=False), but {what} requires grad; rebuild it with "
-    "compute_q_blocks=True or run the call under torch.no_grad()"
+    "compute_q_blocks=True (a paged mask: PagedKVCache.block_mask_on_pages(..., compute_q_blocks=True)) "
+    "or run the call under torch.no_grad()"
 )
 BLOCK_MASK_TUPLE_LEN = 13
 
@@ -561,7 +562,8 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
             return flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
                                       score_mod_buffers, mask_mod_buffers)
     if block_mask[BM_Q_INDICES] is None:
-        raise ValueError(NO_Q_BLOCKS_ERROR.format(what="a tensor the call differentiates"))
+        # q, k and v were checked in api.flex_attention: here it is a score_mod buffer.
+        raise ValueError(NO_Q_BLOCKS_ERROR.format(what="a tensor captured by score_mod"))
     fw_graph, joint_graph = build_score_mod_graphs(score_mod, query, score_mod_buffers)
     return FlexAttentionAutogradOp.apply(
         query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,

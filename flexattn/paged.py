@@ -521,7 +521,8 @@ class PagedKVCache:
         q_len, kv_len = block_mask.seq_lengths
         if kv_len > self.max_length:
             raise ValueError(f"flexattn: PagedKVCache block_mask's KV length {kv_len} exceeds max_length = "
-                             f"{self.max_length} tokens (max_pages_per_slot pages); no sequence can be that long")
+                             f"{self.max_length} tokens (max_pages_per_slot = {self.max_pages_per_slot} pages of "
+                             f"page_size = {self.page_size}); no sequence can be that long")
         tables = self.page_table[slots.long()]                   # (B, max_pages_per_slot)
         page = self.page_size
 

@@ -208,7 +208,8 @@ def test_max_pages_per_slot_caps_a_slot():
     assert paged.full_kv_num_blocks.flatten().tolist() == [3, 1]
     assert paged.full_kv_indices[0, 0, 0].tolist() == [1, 2, 3] and paged.full_kv_indices[1, 0, 0, 0].item() == 0
     assert paged.to_dense().shape == (2, 1, 1, 10)
-    with pytest.raises(ValueError, match="KV length 16 exceeds max_length = 12 tokens"):
+    with pytest.raises(ValueError, match=r"KV length 16 exceeds max_length = 12 tokens \(max_pages_per_slot = 3 "
+                                         r"pages of page_size = 4\)"):
         cache.block_mask_on_pages(flexattn.create_block_mask(flexattn.noop_mask, None, None, 1, 16, device=DEVICE,
                                                              BLOCK_SIZE=(16, 4)), [0, 1])
 
@@ -295,7 +296,7 @@ def _bad_inputs():
             flexattn.create_block_mask(mods.causal_mask, 1, None, 1, 64, device=DEVICE, BLOCK_SIZE=32), slots)),
         ("block_mask must have batch 1 or len", lambda: cache.block_mask_on_pages(
             flexattn.create_block_mask(mods.causal_mask, 3, None, 1, 32, device=DEVICE, BLOCK_SIZE=16), [0, 1])),
-        ("exceeds max_length = 64 tokens", lambda: cache.block_mask_on_pages(
+        (r"exceeds max_length = 64 tokens \(max_pages_per_slot = 4 pages of page_size = 16\)", lambda: cache.block_mask_on_pages(
             flexattn.create_block_mask(mods.causal_mask, 1, None, 1, 65, device=DEVICE, BLOCK_SIZE=16), slots)),
         ("block_mask must be on the cache's device", lambda: cache.block_mask_on_pages(bm.to("meta"), slots)),
         ("allocate dtype", lambda: cache.allocate(2, 8, torch.int32)),
