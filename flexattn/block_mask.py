@@ -15,10 +15,13 @@ For every (batch, head, query block) row it holds the number of partial KV block
 their ids (``kv_num_blocks``, ``kv_indices``), and the same for full blocks
 (``full_kv_num_blocks``, ``full_kv_indices``). The backward pass walks the grid along
 the other axis, so the transposed lists per KV block (``q_num_blocks``, ``q_indices``,
-``full_q_num_blocks``, ``full_q_indices``) are kept next to them. Each id row lists the
-valid block ids first, in ascending order; the tail of the row is padding made of the
-remaining block ids in ascending order, which keeps every row a permutation of
-``range(num_cols)`` and the shapes identical to PyTorch's.
+``full_q_num_blocks``, ``full_q_indices``) are kept next to them. Each id row lists its
+counted block ids first (``num_blocks`` of them); the entries after them are padding,
+whose values are never used and may repeat ids. Rows may be narrower than the KV blocks
+(``PagedKVCache.block_mask_on_pages`` makes them ``max_pages_per_slot`` wide) but hold
+at least one entry. ``create_block_mask`` lists the ids ascending and pads with the
+remaining ones, ascending, so its rows are permutations of ``range(num_cols)`` and its
+shapes are PyTorch's.
 
 How ``create_block_mask`` stays cheap
 -------------------------------------
