@@ -135,6 +135,11 @@ def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
         raise ValueError(
             f"flexattn: key/value batch must be 1 (broadcast) or query's batch {B}, got {Bk}"
         )
+    if S == 0:
+        raise ValueError(
+            f"flexattn: key/value must hold at least one position (S >= 1) for a query to attend "
+            f"to, got key shape {_shape(key)}"
+        )
     if Hk == 0 or (Hq != Hk and not enable_gqa):
         raise ValueError(
             f"flexattn: query has {Hq} heads and key/value {Hk}; different head counts need "

@@ -41,6 +41,12 @@ def test_bad_tensors(make, match):
         _call(*make(*_qkv()))
 
 
+def test_empty_key_value_is_rejected():
+    q, k, v = _qkv(S=0)
+    with pytest.raises(ValueError, match=r"key/value must hold at least one position \(S >= 1\).*\(2, 4, 0, 8\)"):
+        _call(q, k, v)
+
+
 def test_gqa_needs_divisible_heads():
     q, k, v = _qkv(H=4, Hkv=3)
     with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of key/value heads \(3\)"):
