@@ -71,6 +71,13 @@ def _cases(B, H, L, S, device):
 CASE_NAMES = list(_cases(1, 1, 4, 4, "cpu"))
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Each test draws its inputs from the same seed, whatever ran before it in the
+    process (test order and xdist's distribution otherwise change them)."""
+    torch.manual_seed(0)
+
+
 def _inputs(shape, device, dtype=F64):
     B, H, Hkv, L, S, E, Ev = shape
     q = torch.randn(B, H, L, E, dtype=dtype, device=device, requires_grad=True)
@@ -157,8 +164,11 @@ def test_gradients_match_plain_formula(case, shape):
     expected = torch.autograd.grad((ref_out * grad_out).sum() + (ref_lse * grad_lse).sum(), leaves)
     for name, got, want in zip(["dq", "dk", "dv"] + [f"d_buffer{i}" for i in range(len(learnable))], ours, expected):
         assert not torch.isnan(got).any(), name
-        # lse is float32, so the lse-weighted part of each gradient carries float32 error.
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{case} {name}: {m}")
+        # lse is float32, so the lse-weighted part of each gradient carries float32 error;
+        # a captured tensor's gradient sums it over every (q, kv) pair of its entries
+        # (ALiBi's slopes: terms up to |q_idx - kv_idx| ~ 100 times that error).
+        tol = 1e-4 if name.startswith("d_buffer") else 1e-5
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"{case} {name}: {m}")
 
 
 def test_gradients_match_torch_operator():
