@@ -229,7 +229,7 @@ def block_mask_visibility(block_mask: tuple, B: int, H: int, L: int, S: int, dev
     mask_mod = block_mask[BM_MASK_MOD]
 
     def block_grid(num: Tensor, idx: Tensor) -> Tensor:
-        return listed_grid(num, idx, max(idx.shape[-1], -(-S // kv_block), 1))
+        return listed_grid(num, idx, kv_block_columns(idx.shape[-1], S, kv_block))
 
     def to_entries(grid: Tensor) -> Tensor:
         grid = grid.repeat_interleave(q_block, dim=-2).repeat_interleave(kv_block, dim=-1)
@@ -241,6 +241,12 @@ def block_mask_visibility(block_mask: tuple, B: int, H: int, L: int, S: int, dev
     if full_num is not None:
         allowed = allowed | to_entries(block_grid(full_num, full_idx).to(device))
     return allowed
+
+
+def kv_block_columns(width: int, kv_len: int, kv_block: int) -> int:
+    """KV block columns of a mask's block grid: the blocks kv_len covers, or the index
+    rows' width where that is larger (rows may be narrower than the KV blocks)."""
+    return max(width, -(-kv_len // kv_block))
 
 
 def listed_grid(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:

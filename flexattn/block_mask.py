@@ -56,7 +56,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ._hop import IndexWithTensors, listed_grid, vmap_over_bhmn
+from ._hop import IndexWithTensors, kv_block_columns, listed_grid, vmap_over_bhmn
 
 __all__ = [
     "BlockMask",
@@ -305,9 +305,19 @@ def _cdiv(numerator: int, denominator: int) -> int:
 
 
 def _kv_columns(kv_indices: Tensor, seq_lengths: tuple[int, int], block_size: tuple[int, int]) -> int:
-    """KV block columns of a mask whose index rows may be narrower than its KV blocks:
-    the blocks seq_lengths' kv_len covers, or the rows' width where that is larger."""
-    return max(kv_indices.shape[-1], _cdiv(seq_lengths[1], block_size[1]))
+    """KV block columns of a mask (kv_block_columns of its index rows' width)."""
+    return kv_block_columns(kv_indices.shape[-1], seq_lengths[1], block_size[1])
+
+
+def _compact_kept(keep: Tensor, ids: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Block lists of the kept entries: ``keep`` / ``ids`` (..., M) -> (num (...),
+    indices (..., width)), the kept ids first in their order (each at its rank among
+    the kept ones), then padding 0. The count is clamped to ``width``: ranks past it
+    (an invalid row that lists a block twice) go to a scratch column and are dropped."""
+    place = torch.where(keep, (torch.cumsum(keep, -1) - 1).clamp(max=width), width)
+    order = torch.zeros(*ids.shape[:-1], width + 1, dtype=ids.dtype, device=ids.device)
+    order = order.scatter(-1, place, ids)[..., :width].contiguous()
+    return keep.sum(-1, dtype=torch.int32).clamp(max=width), order
 
 
 def _dense_to_ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
@@ -946,15 +956,10 @@ class BlockMask:
 
         def crop(num: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
             num, idx = num[..., :rows], idx[..., :rows, :]
-            width = min(idx.shape[-1], cols)
             slots = torch.arange(idx.shape[-1], device=idx.device)
             keep = (slots < num.unsqueeze(-1)) & (idx >= 0) & (idx < cols)
-            # Kept entries go to their rank, the others (and the ranks past the width of
-            # an invalid row that lists a block twice) to a scratch column.
-            place = torch.where(keep, (torch.cumsum(keep, -1) - 1).clamp(max=width), width)
-            order = torch.zeros(*idx.shape[:-1], width + 1, dtype=idx.dtype, device=idx.device)
-            order = order.scatter(-1, place, idx)[..., :width].contiguous()
-            return keep.sum(-1, dtype=num.dtype).clamp(max=width).contiguous(), order
+            kept_num, order = _compact_kept(keep, idx, min(idx.shape[-1], cols))
+            return kept_num.to(num.dtype), order
 
         partial = crop(self.kv_num_blocks, self.kv_indices)
         full = (None, None)

@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .block_mask import BlockMask, _required_positional_count
+from .block_mask import BlockMask, _compact_kept, _required_positional_count
 
 __all__ = ["PagedKVCache"]
 
@@ -565,9 +565,4 @@ class PagedKVCache:
                                 idx.clamp(0, width - 1)).long()
         keep = keep & (idx < width) & (physical >= 0)
         block = (physical * (self.page_stride // self.page_size)).to(torch.int32)
-        # Entry j goes to its rank among the kept entries; the others to a scratch column
-        # (as would the entries of a row that listed a block twice beyond the width).
-        place = torch.where(keep, (torch.cumsum(keep, -1) - 1).clamp(max=width), width)
-        order = torch.zeros(B, H, QB, width + 1, dtype=torch.int32, device=idx.device)
-        order = order.scatter(-1, place, block)[..., :width].contiguous()
-        return keep.sum(-1, dtype=torch.int32).clamp(max=width), order
+        return _compact_kept(keep, block, width)

@@ -491,8 +491,8 @@ def lower_to_decode_template(
     if not spec["DENSE_KV"]:
         # A row lists at most its index row's width of blocks (narrower than the KV
         # blocks for a paged cache's masks).
-        widths = [_hint(t.get_size()[-1]) for t in (call.kv_indices, call.full_kv_indices) if t is not None]
-        max_blocks = max(1, min(max_blocks, max(widths)))
+        # (Without full blocks full_kv_indices is a placeholder of width 0.)
+        max_blocks = min(max_blocks, max(_hint(t.get_size()[-1]) for t in (call.kv_indices, call.full_kv_indices)))
     split_kv = split_count(sms=sms, programs=programs,
                            max_steps=math.ceil(_hint(S) / smallest_step), kernel_options=kernel_options,
                            max_blocks=None if spec["DENSE_KV"] else max_blocks)

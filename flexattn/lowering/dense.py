@@ -27,7 +27,7 @@ from torch._inductor.lowering import fallback_handler, lowerings
 from torch._inductor.virtualized import V
 
 from .. import _compat
-from .._hop import BM_MASK_MOD, dense_math, listed_grid
+from .._hop import BM_MASK_MOD, dense_math, kv_block_columns, listed_grid
 
 #: Ops besides pointwise-tagged ones that act elementwise under broadcasting.
 _BROADCAST_SAFE = {
@@ -64,7 +64,7 @@ def _index_grids(B: int, H: int, L: int, S: int, device) -> list[torch.Tensor]:
 
 def _block_grid(num: torch.Tensor, idx: torch.Tensor, L: int, S: int, q_block: int, kv_block: int) -> torch.Tensor:
     """(Bm, Hm, L, S) bool: entries inside a KV block listed among the first num of its row."""
-    grid = listed_grid(num, idx, max(idx.shape[-1], -(-S // kv_block), 1))
+    grid = listed_grid(num, idx, kv_block_columns(idx.shape[-1], S, kv_block))
     q_block_of = torch.arange(L, device=idx.device) // q_block
     kv_block_of = torch.arange(S, device=idx.device) // kv_block
     return grid[..., q_block_of, :][..., kv_block_of]
