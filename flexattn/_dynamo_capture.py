@@ -18,7 +18,9 @@ import operator
 import torch
 
 from . import _compat
-from ._hop import BM_MASK_MOD, BLOCK_MASK_TUPLE_LEN, IndexWithTensors, MutatingModError, flex_attention_hop
+from ._hop import MutatingModError, flex_attention_hop
+from ._mask_tuple import BLOCK_MASK_TUPLE_LEN, BlockMaskView
+from .reference import IndexWithTensors
 
 _HOP_ARG_NAMES = (
     "query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options",
@@ -89,11 +91,13 @@ def _make_variable_class():
                     f"entries, got {len(items)}"
                 )
             score_node, score_lifted = self._speculate_mod(tx, query, bound["score_mod"], True, "score_mod")
-            mask_node, mask_lifted = self._speculate_mod(tx, query, items[BM_MASK_MOD], False, "mask_mod")
+            fields = BlockMaskView(*items)
+            mask_node, mask_lifted = self._speculate_mod(tx, query, fields.mask_mod, False, "mask_mod")
 
+            # The mask_mod travels as its own graph node; the other fields are proxied.
             proxied = [
                 bound["query"], bound["key"], bound["value"],
-                support.TupleVariable(items[:BM_MASK_MOD]),
+                support.TupleVariable(list(fields.without_mask_mod())),
             ]
             (q, k, v, bm), _ = support.proxy_args_kwargs(proxied, {})
             # The scale is folded into the kernel as a constant (1/sqrt(E) follows the

@@ -1,10 +1,11 @@
-"""The flexattn higher-order operators and their dense reference.
+"""The flexattn higher-order operators.
 
 ``flex_attention_hop`` and ``flex_attention_backward_hop`` are the two operators that
 every flexattn call becomes. A HOP takes functions (score_mod, mask_mod) as well as
 tensors; each dispatch path below says what the operator means there:
 
-* CompositeExplicitAutograd: the dense reference (``dense_flex_attention``). It builds
+* CompositeExplicitAutograd: the dense reference (``dense_flex_attention``, the math in
+  ``reference.py``). It builds
   the full score matrix, so it is the definition of correct, not a fast path.
 * FakeTensorMode: output metadata only.
 * ProxyTorchDispatchMode (make_fx, AOT): score_mod and mask_mod are traced into small FX
@@ -31,22 +32,16 @@ q_indices, full_q_num_blocks, full_q_indices, Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from . import _compat
 from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode
-
-# Positions inside the block-mask tuple.
-BM_Q_LEN, BM_KV_LEN = 0, 1
-BM_KV_NUM_BLOCKS, BM_KV_INDICES, BM_FULL_KV_NUM_BLOCKS, BM_FULL_KV_INDICES = 2, 3, 4, 5
-BM_Q_NUM_BLOCKS, BM_Q_INDICES, BM_FULL_Q_NUM_BLOCKS, BM_FULL_Q_INDICES = 6, 7, 8, 9
-BM_Q_BLOCK_SIZE, BM_KV_BLOCK_SIZE, BM_MASK_MOD = 10, 11, 12
+from ._mask_tuple import BlockMaskView
+from .reference import IndexWithTensors, dense_math
 
 #: The error of a call that needs a backward with a mask built without the transposed lists.
 NO_Q_BLOCKS_ERROR = (
@@ -55,7 +50,6 @@ NO_Q_BLOCKS_ERROR = (
     "compute_q_blocks=True (a paged mask: PagedKVCache.block_mask_on_pages(..., compute_q_blocks=True)) "
     "or run the call under torch.no_grad()"
 )
-BLOCK_MASK_TUPLE_LEN = 13
 
 
 class MutatingModError(RuntimeError):
@@ -137,194 +131,6 @@ def identity_score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_id
     return score
 
 
-# --------------------------------------------------------------------------------------
-# Running mods elementwise: tensor indexing inside a vmapped mod
-# --------------------------------------------------------------------------------------
-class IndexWithTensors(TorchFunctionMode):
-    """Route ``table[idx]`` with tensor indices to ``aten.index``.
-
-    Inside a mod, ``b``, ``h``, ``q_idx`` and ``kv_idx`` are 0-d tensors. Python's
-    ``Tensor.__getitem__`` turns a 0-d index into an int, which neither vmap nor tracing
-    can do; ``aten.index`` takes it as a tensor, so under this mode a mod may index its
-    captured tables with the index arguments (and with tensors computed from them).
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is Tensor.__getitem__:
-            indices = _as_aten_indices(args[1], args[0].device)
-            if indices is not None:
-                return torch.ops.aten.index.Tensor(args[0], indices)
-        return func(*args, **kwargs)
-
-
-def _as_aten_indices(index: Any, device: torch.device) -> list[Tensor | None] | None:
-    """The ``aten.index`` form of a getitem index, or None when it has no tensors or
-    uses something ``aten.index`` cannot express (a non-trivial slice, Ellipsis)."""
-    items = index if isinstance(index, tuple) else (index,)
-    if not any(isinstance(i, Tensor) for i in items):
-        return None
-    out: list[Tensor | None] = []
-    for item in items:
-        if isinstance(item, Tensor):
-            out.append(item)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            out.append(torch.tensor(item, dtype=torch.int64, device=device))
-        elif isinstance(item, slice) and item == slice(None):
-            out.append(None)
-        else:
-            return None
-    return out
-
-
-def vmap_over_bhmn(fn: Callable, with_score: bool, num_buffers: int) -> Callable:
-    """Lift a mod on 0-d arguments to one on (B, H, L, S) grids by nested vmaps.
-
-    The innermost vmap runs over kv_idx, the outermost over b; the score (when present)
-    is batched at every level, captured buffers at none.
-    """
-    score_dim = (0,) if with_score else ()
-    per_level = [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]
-    for dims in per_level:
-        fn = torch.vmap(fn, in_dims=score_dim + dims + (None,) * num_buffers, out_dims=0)
-    return fn
-
-
-def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> list[Tensor]:
-    return [torch.arange(n, dtype=torch.int32, device=device) for n in (B, H, L, S)]
-
-
-def apply_score_mod(score_mod: Callable, scores: Tensor, buffers: Sequence) -> Tensor:
-    """score_mod applied to every entry of a (B, H, L, S) score tensor."""
-    B, H, L, S = scores.shape
-    fn = vmap_over_bhmn(score_mod, True, len(buffers))
-    with IndexWithTensors():
-        return fn(scores, *_index_grid(B, H, L, S, scores.device), *buffers)
-
-
-def apply_mask_mod(mask_mod: Callable, B: int, H: int, L: int, S: int, device, buffers: Sequence) -> Tensor:
-    """mask_mod evaluated on every (b, h, q_idx, kv_idx): a bool (B, H, L, S) tensor."""
-    fn = vmap_over_bhmn(mask_mod, False, len(buffers))
-    with IndexWithTensors():
-        out = fn(*_index_grid(B, H, L, S, device), *buffers)
-    return out.to(torch.bool).expand(B, H, L, S)
-
-
-# --------------------------------------------------------------------------------------
-# The dense reference
-# --------------------------------------------------------------------------------------
-def block_mask_visibility(block_mask: tuple, B: int, H: int, L: int, S: int, device, mask_mod_buffers: Sequence) -> Tensor:
-    """Which (b, h, q, kv) entries the block mask lets through, as a bool (B, H, L, S).
-
-    This is the kernels' semantics, block for block: a KV block listed as partial for
-    a query block applies mask_mod, a block listed as full lets every entry through, and
-    an unlisted block masks every entry.
-    """
-    kv_num = block_mask[BM_KV_NUM_BLOCKS]
-    kv_idx = block_mask[BM_KV_INDICES]
-    full_num = block_mask[BM_FULL_KV_NUM_BLOCKS]
-    full_idx = block_mask[BM_FULL_KV_INDICES]
-    q_block = block_mask[BM_Q_BLOCK_SIZE]
-    kv_block = block_mask[BM_KV_BLOCK_SIZE]
-    mask_mod = block_mask[BM_MASK_MOD]
-
-    def block_grid(num: Tensor, idx: Tensor) -> Tensor:
-        return listed_grid(num, idx, kv_block_columns(idx.shape[-1], S, kv_block))
-
-    def to_entries(grid: Tensor) -> Tensor:
-        grid = grid.repeat_interleave(q_block, dim=-2).repeat_interleave(kv_block, dim=-1)
-        grid = _fit_last_two(grid, L, S)
-        return grid.expand(B, H, L, S)
-
-    partial = to_entries(block_grid(kv_num, kv_idx).to(device))
-    allowed = partial & apply_mask_mod(mask_mod, B, H, L, S, device, mask_mod_buffers)
-    if full_num is not None:
-        allowed = allowed | to_entries(block_grid(full_num, full_idx).to(device))
-    return allowed
-
-
-def kv_block_columns(width: int, kv_len: int, kv_block: int) -> int:
-    """KV block columns of a mask's block grid: the blocks kv_len covers, or the index
-    rows' width where that is larger (rows may be narrower than the KV blocks)."""
-    return max(width, -(-kv_len // kv_block))
-
-
-def listed_grid(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:
-    """Block lists -> bool (..., rows, num_cols): column c of row r is set when c is
-    among the first num_blocks[..., r] entries of indices[..., r, :]. The entries after
-    those (padding, which may repeat ids) are sent to a scratch column and dropped, and
-    so are listed ids outside [0, num_cols) (an invalid mask, which BlockMask.from_kv_blocks
-    reports where it can read the values for free), instead of failing in the scatter
-    (on a GPU, a device-side assert)."""
-    slots = torch.arange(indices.shape[-1], device=indices.device)
-    ids = indices.to(torch.int64)
-    listed = (slots < num_blocks.unsqueeze(-1)) & (ids >= 0) & (ids < num_cols)
-    columns = torch.where(listed, ids, num_cols)
-    grid = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=torch.bool, device=indices.device)
-    return grid.scatter_(-1, columns, True)[..., :num_cols]
-
-
-def _fit_last_two(grid: Tensor, L: int, S: int) -> Tensor:
-    """Crop or zero-pad the last two dims of an entry grid to (L, S)."""
-    grid = grid[..., :L, :S]
-    pad_l, pad_s = L - grid.shape[-2], S - grid.shape[-1]
-    if pad_l or pad_s:
-        grid = torch.nn.functional.pad(grid, (0, pad_s, 0, pad_l), value=False)
-    return grid
-
-
-def _expand_kv(t: Tensor, B: int, Hq: int) -> Tensor:
-    """(Bkv, Hkv, S, D) -> (B, Hq, S, D): broadcast the KV batch, repeat each KV head
-    over the query heads of its group."""
-    group = Hq // t.shape[1]
-    return t.repeat_interleave(group, dim=1).expand(B, Hq, *t.shape[2:])
-
-
-def _working_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def dense_math(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    score_mod: Callable,
-    block_mask: tuple,
-    scale: float,
-    score_mod_buffers: Sequence,
-    mask_mod_buffers: Sequence,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention computed the plain way, differentiable by autograd.
-
-    Products are taken in the inputs' dtype and the softmax in float32 (float64 for
-    float64 inputs), with the probabilities cast back before the product with V: the
-    same roundings a fused kernel makes, so that a same-dtype run of this function is a
-    fair yardstick for a kernel's error.
-    """
-    B, Hq, L, _ = query.shape
-    S = key.shape[-2]
-    work = _working_dtype(query.dtype)
-    k = _expand_kv(key, B, Hq)
-    v = _expand_kv(value, B, Hq)
-    scores = (query @ k.transpose(-2, -1)).to(work) * scale
-    scores = apply_score_mod(score_mod, scores, score_mod_buffers).to(work)
-    allowed = block_mask_visibility(block_mask, B, Hq, L, S, query.device, mask_mod_buffers)
-    scores = scores.masked_fill(~allowed, -math.inf)
-
-    row_max = scores.amax(dim=-1)
-    live = allowed.any(dim=-1) & (row_max > -math.inf)
-    safe_max = torch.where(live, row_max, torch.zeros_like(row_max)).detach()
-    p = torch.exp(scores - safe_max[..., None])
-    denom = p.sum(dim=-1)
-    safe_denom = torch.where(live, denom, torch.ones_like(denom))
-    lse = torch.where(live, torch.log(safe_denom) + safe_max, torch.full_like(denom, -math.inf))
-    probs = p / safe_denom[..., None]
-    out = probs.to(query.dtype) @ v
-    out = torch.where(live[..., None], out, torch.zeros_like(out))
-    max_scores = torch.where(live, row_max, torch.full_like(row_max, -math.inf))
-    return out, lse.to(torch.float32), max_scores.to(torch.float32)
-
-
 def output_strides(query: Tensor, ev: int) -> tuple[int, ...]:
     """Strides of the (B, Hq, L, Ev) output: dense, with query's dimension order.
 
@@ -389,12 +195,12 @@ def scalar_examples(query: Tensor, with_score: bool, score_requires_grad: bool =
 def _trace_mods_in(mode: ProxyTorchDispatchMode, query: Tensor, score_mod, block_mask, score_mod_buffers, mask_mod_buffers):
     with IndexWithTensors():
         score_graph = _compat.reenter_make_fx(score_mod)(*scalar_examples(query, True), *score_mod_buffers)
-        mask_graph = _compat.reenter_make_fx(block_mask[BM_MASK_MOD])(*scalar_examples(query, False), *mask_mod_buffers)
+        mask_graph = _compat.reenter_make_fx(BlockMaskView(*block_mask).mask_mod)(*scalar_examples(query, False), *mask_mod_buffers)
     score_name = _compat.unique_graph_name(mode, "flexattn_score_mod")
     mode.tracer.root.register_module(score_name, score_graph)
     mask_name = _compat.unique_graph_name(mode, "flexattn_mask_mod")
     mode.tracer.root.register_module(mask_name, mask_graph)
-    return score_graph, tuple(block_mask[:BM_MASK_MOD]) + (mask_graph,)
+    return score_graph, tuple(BlockMaskView(*block_mask)._replace(mask_mod=mask_graph))
 
 
 def _record(mode: ProxyTorchDispatchMode, op, args: tuple, example_out):
@@ -460,14 +266,14 @@ def reject_mutating_mod(name: str, mod: Callable, example_args: Sequence) -> Non
 def _functionalize_flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel_options,
                                   score_mod_buffers=(), mask_mod_buffers=()):
     q, k, v = ctx.unwrap_tensors([query, key, value])
-    bm = ctx.unwrap_tensors(block_mask)
+    bm = BlockMaskView(*ctx.unwrap_tensors(block_mask))
     smb = ctx.unwrap_tensors(score_mod_buffers)
     mmb = ctx.unwrap_tensors(mask_mod_buffers)
     reject_mutating_mod("score_mod", score_mod, [*scalar_examples(q, True), *smb])
-    reject_mutating_mod("mask_mod", bm[BM_MASK_MOD], [*scalar_examples(q, False), *mmb])
+    reject_mutating_mod("mask_mod", bm.mask_mod, [*scalar_examples(q, False), *mmb])
     with ctx.redispatch_to_next():
         functional_score_mod = ctx.functionalize(score_mod)
-        functional_bm = tuple(bm[:BM_MASK_MOD]) + (ctx.functionalize(bm[BM_MASK_MOD]),)
+        functional_bm = tuple(bm._replace(mask_mod=ctx.functionalize(bm.mask_mod)))
         out = flex_attention_hop(q, k, v, functional_score_mod, functional_bm, scale, kernel_options,
                                  tuple(smb), tuple(mmb))
     return ctx.wrap_tensors(out)
@@ -567,7 +373,7 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
         with torch._C._AutoDispatchBelowAutograd():
             return flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
                                       score_mod_buffers, mask_mod_buffers)
-    if block_mask[BM_Q_INDICES] is None:
+    if BlockMaskView(*block_mask).q_indices is None:
         # q, k and v were checked in api.flex_attention: here it is a score_mod buffer.
         raise ValueError(NO_Q_BLOCKS_ERROR.format(what="a tensor captured by score_mod"))
     fw_graph, joint_graph = build_score_mod_graphs(score_mod, query, score_mod_buffers)
@@ -672,12 +478,12 @@ def _proxy_flex_attention_backward(mode, query, key, value, out, logsumexp, grad
         joint = _compat.reenter_make_fx(joint_graph)(
             *scalar_examples(query, True), query.new_zeros(()), *score_mod_buffers
         )
-        mask_graph = _compat.reenter_make_fx(block_mask[BM_MASK_MOD])(
+        mask_graph = _compat.reenter_make_fx(BlockMaskView(*block_mask).mask_mod)(
             *scalar_examples(query, False), *mask_mod_buffers
         )
     for prefix, gm in (("flexattn_fw_graph", fw), ("flexattn_joint_graph", joint), ("flexattn_mask_mod", mask_graph)):
         mode.tracer.root.register_module(_compat.unique_graph_name(mode, prefix), gm)
-    traced_block_mask = tuple(block_mask[:BM_MASK_MOD]) + (mask_graph,)
+    traced_block_mask = tuple(BlockMaskView(*block_mask)._replace(mask_mod=mask_graph))
     args = (query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw, joint, traced_block_mask,
             scale, kernel_options, score_mod_buffers, mask_mod_buffers)
     return _record(mode, flex_attention_backward_hop, args, example_out)
@@ -689,11 +495,11 @@ def _functionalize_flex_attention_backward(ctx, query, key, value, out, logsumex
                                            score_mod_buffers=(), mask_mod_buffers=()):
     unwrapped = ctx.unwrap_tensors([query, key, value, out, logsumexp, grad_out])
     g_lse = ctx.unwrap_tensors(grad_logsumexp) if grad_logsumexp is not None else None
-    bm = ctx.unwrap_tensors(block_mask)
+    bm = BlockMaskView(*ctx.unwrap_tensors(block_mask))
     smb = ctx.unwrap_tensors(score_mod_buffers)
     mmb = ctx.unwrap_tensors(mask_mod_buffers)
     with ctx.redispatch_to_next():
-        functional_bm = tuple(bm[:BM_MASK_MOD]) + (ctx.functionalize(bm[BM_MASK_MOD]),)
+        functional_bm = tuple(bm._replace(mask_mod=ctx.functionalize(bm.mask_mod)))
         grads = flex_attention_backward_hop(
             *unwrapped, g_lse, fw_graph, joint_graph,
             functional_bm, scale, kernel_options, tuple(smb), tuple(mmb),

@@ -26,32 +26,12 @@ import torch
 from torch import Tensor
 
 from . import _compat
+from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, flex_attention_hop, identity_score_mod
-from .block_mask import DEFAULT_BLOCK_SIZE, DEFAULT_MASK_KEY, BlockMask, _required_positional_count, noop_mask
+from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, noop_mask
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
-
-# kernel_options understood by flexattn, with their defaults. Tile keys (BLOCK_M, ...) have
-# no default here: the lowering's config tables choose them unless the caller does.
-DEFAULT_KERNEL_OPTIONS: dict[str, Any] = {
-    "PRESCALE_QK": False,
-    "ROWS_GUARANTEED_SAFE": False,
-    "BLOCKS_ARE_CONTIGUOUS": False,
-    "OUTPUT_LOGSUMEXP": True,
-    "OUTPUT_MAX": False,
-}
-TILE_KERNEL_OPTIONS = frozenset({
-    "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
-    "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
-    "fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_warps", "fwd_num_stages",
-    "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_warps", "bwd_num_stages",
-    "FORCE_USE_FLEX_ATTENTION", "FORCE_DECODE", "SPLIT_KV", "DETERMINISTIC", "USE_TMA",
-    "WRITE_DQ", "IEEE_FP32", "DEBUG_CONFIG", "FAST_TANH", "FUSED_MERGE", "DQ_ATOMIC",
-    "ONE_KV_LOOP", "fwd_ONE_KV_LOOP", "bwd_ONE_KV_LOOP", "REVERSED_Q_TILES", "LIST_CHUNK",
-})
-KNOWN_KERNEL_OPTIONS = frozenset(DEFAULT_KERNEL_OPTIONS) | TILE_KERNEL_OPTIONS
-
 
 def _code_version() -> str:
     """A digest of the sources that decide what flexattn compiles to.
@@ -63,13 +43,12 @@ def _code_version() -> str:
     """
     root = pathlib.Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("lowering/*.py"), *root.glob("templates/*.jinja")]):
-        digest.update(path.name.encode())
+    for path in sorted([*root.rglob("*.py"), *root.glob("templates/*.jinja")]):
+        digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-CODE_VERSION_KEY = "FLEXATTN_CODE_VERSION"
 CODE_VERSION = _code_version()
 
 
@@ -195,19 +174,6 @@ def _check_block_mask(block_mask: Any, query: Tensor, key: Tensor) -> BlockMask:
     return block_mask
 
 
-def _check_kernel_options(kernel_options: Any) -> dict[str, Any]:
-    if kernel_options is None:
-        return {}
-    if not isinstance(kernel_options, dict):
-        raise TypeError(f"flexattn: kernel_options must be a dict or None, got {type(kernel_options).__name__}")
-    unknown = sorted(set(kernel_options) - KNOWN_KERNEL_OPTIONS)
-    if unknown:
-        raise ValueError(
-            f"flexattn: unknown kernel_options {unknown}; known keys are {sorted(KNOWN_KERNEL_OPTIONS)}"
-        )
-    return dict(kernel_options)
-
-
 def _full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
     """A BlockMask in which every KV block is fully visible to every query block.
 
@@ -314,7 +280,7 @@ def flex_attention(
     elif not isinstance(scale, (int, float)):
         raise TypeError(f"flexattn: scale must be a float or None, got {type(scale).__name__}")
 
-    options = {**DEFAULT_KERNEL_OPTIONS, **_check_kernel_options(kernel_options)}
+    options = _options.with_defaults(_options.validate(kernel_options))
     if options.get("FAST_TANH"):
         from .lowering.subgraph import use_fast_tanh
         use_fast_tanh(options, query.dtype, query.device)  # raises where it cannot be had
@@ -326,9 +292,7 @@ def flex_attention(
     if "OUTPUT_LOGSUMEXP" not in (kernel_options or {}):
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse or needs_grad)
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
-    options[CODE_VERSION_KEY] = CODE_VERSION
-    if default_mask:
-        options[DEFAULT_MASK_KEY] = True
+    options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION))
 
     args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)
     if torch.compiler.is_compiling():

@@ -56,7 +56,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ._hop import IndexWithTensors, kv_block_columns, listed_grid, vmap_over_bhmn
+from .reference import IndexWithTensors, kv_block_columns, listed_grid, vmap_over_bhmn
 
 __all__ = [
     "BlockMask",
@@ -73,12 +73,6 @@ __all__ = [
 
 DEFAULT_BLOCK_SIZE = 128
 """Default tile edge, in tokens, for both the query and the KV axis."""
-
-DEFAULT_MASK_KEY = "FLEXATTN_DEFAULT_BLOCK_MASK"
-"""kernel_options key (not a user option) that flex_attention sets when it built the
-default mask itself (``block_mask=None``: every KV block full, in order). The decode
-kernel then walks the KV positions without reading the BlockMask's tables, so that the
-tables, and the kernel that computes them inside a compiled graph, are not needed."""
 
 MASK_CHUNK_BYTES = 1024 * 1024 * 1024
 """Working-memory budget, in bytes, for one chunk of mask evaluation in create_block_mask.

@@ -50,7 +50,8 @@ def _variants(B: int, H: int, S: int, device: str):
 
 def _reference(q, k, v, score_mod, block_mask):
     """float64 dense reference (the operator's definition), on the inputs' device."""
-    from ._hop import dense_math, identity_score_mod
+    from ._hop import identity_score_mod
+    from .reference import dense_math
 
     q64, k64, v64 = (t.detach().to(torch.float64) for t in (q, k, v))
     if block_mask is None:

@@ -26,7 +26,7 @@ from torch._inductor.utils import run_and_get_code
 import flexattn
 import flexattn.lowering
 from flexattn import _compat, mods
-from flexattn._hop import dense_math
+from flexattn.reference import dense_math
 from flexattn.api import AuxRequest
 from flexattn.block_mask import BlockMask, and_masks, create_block_mask, noop_mask
 
@@ -515,9 +515,9 @@ def _backward_constexprs(E: int, options: dict, names: tuple[str, ...]) -> dict[
 
 @pytest.mark.parametrize("E", [64, 128])
 def test_backward_tma_and_one_loop_choice(E):
-    """USE_TMA follows configs.TMA_DEFAULTS["backward"] unless kernel_options say
+    """USE_TMA follows configs.tma.TMA_DEFAULTS["backward"] unless kernel_options say
     otherwise; bwd_ONE_KV_LOOP pins the backward's one loop (default off)."""
-    from flexattn.lowering import configs
+    from flexattn.lowering.configs import tma as configs
     auto = configs.tma_by_default("backward", torch.device(DEVICE), E, torch.float16)
     assert _backward_constexprs(E, {}, ("USE_TMA", "ONE_KV_LOOP")) == {"USE_TMA": str(auto), "ONE_KV_LOOP": "False"}
     torch._dynamo.reset()
@@ -529,14 +529,15 @@ def test_backward_tma_and_one_loop_choice(E):
 
 def test_reversed_q_tiles_default_per_kernel():
     """REVERSED_Q_TILES: on in the backward, off in the forward by default
-    (forward.REVERSED_Q_TILES_DEFAULT); a kernel_options value pins both."""
+    (configs.forward/backward.REVERSED_Q_TILES); a kernel_options value pins both."""
     names = ("REVERSED_Q_TILES",)
     assert _backward_constexprs(32, {}, names) == {"REVERSED_Q_TILES": "True"}
     torch._dynamo.reset()
     assert _backward_constexprs(32, {"REVERSED_Q_TILES": False}, names) == {"REVERSED_Q_TILES": "False"}
-    from flexattn.lowering.forward import read_bool_options
-    assert not read_bool_options({}, "forward")["REVERSED_Q_TILES"]
-    assert read_bool_options({"REVERSED_Q_TILES": True}, "forward")["REVERSED_Q_TILES"]
+    from flexattn.lowering.common import read_bool_options
+    from flexattn.lowering.configs import forward as forward_configs
+    assert not read_bool_options({}, forward_configs.REVERSED_Q_TILES)["REVERSED_Q_TILES"]
+    assert read_bool_options({"REVERSED_Q_TILES": True}, forward_configs.REVERSED_Q_TILES)["REVERSED_Q_TILES"]
 
 
 # --------------------------------------------------------------------------------------

@@ -106,9 +106,10 @@ def test_compile_one_frame_several_calls(backend):
     # The relative-bias table is lifted into an explicit buffer input of the first call.
     assert len(nodes[0].args[7]) == 1 and len(nodes[1].args[8]) == 1
     # flexattn's code version is part of the graph, hence of Inductor's FX-graph cache key.
-    from flexattn.api import CODE_VERSION, CODE_VERSION_KEY
+    from flexattn.api import CODE_VERSION
+    from flexattn.options import INTERNAL_KEY
 
-    assert all(n.args[6][CODE_VERSION_KEY] == CODE_VERSION for n in nodes)
+    assert all(n.args[6][INTERNAL_KEY]["CODE_VERSION"] == CODE_VERSION for n in nodes)
 
 
 def test_captured_parameter_gets_gradient_under_compile():

@@ -37,8 +37,11 @@ import flexattn
 import flexattn.lowering
 from flexattn import _compat, mods
 from flexattn._hop import dense_flex_attention, flex_attention_hop
-from flexattn.block_mask import DEFAULT_MASK_KEY, create_block_mask, noop_mask
-from flexattn.lowering import decode as dec
+from flexattn.block_mask import create_block_mask, noop_mask
+from flexattn.lowering import decode as decode_lowering
+from flexattn.lowering import decode_plan as plan
+from flexattn.lowering.configs import decode as decode_configs
+from flexattn.options import internal_options
 
 from _generated_code import constexpr
 from _numerics import assert_attention_outputs_close
@@ -204,10 +207,10 @@ def test_kv_length_not_a_multiple_no_mask():
 @pytest.mark.parametrize("S,L,group,split", [(129, 1, 4, None), (333, 3, 2, 5), (1000, 1, 8, 3), (256, 16, 1, None)],
                          ids=str)
 def test_dense_kv_default_mask(S, L, group, split, merge):
-    """flex_attention's own default mask (DEFAULT_MASK_KEY): the kernel walks every KV
+    """flex_attention's own default mask (the internal DEFAULT_MASK option): the kernel walks every KV
     position without the BlockMask tables (DENSE_KV), at odd lengths, with splits that
     leave shares empty, and with a score_mod."""
-    options = {**MERGES[merge], DEFAULT_MASK_KEY: True, **({"SPLIT_KV": split} if split else {})}
+    options = {**MERGES[merge], **internal_options(DEFAULT_MASK=True), **({"SPLIT_KV": split} if split else {})}
     _, _, code = run_case(B=2, Hq=2 * group, Hkv=2, L=L, S=S, score_mod=mods.tanh_softcap(3.0),
                           options=options, seed=S + L, with_code=True)
     assert constexpr(code, "DENSE_KV") == "True"
@@ -323,7 +326,7 @@ def test_split_kv_automatic():
     multiprocessors or more run unsplit, in one launch (the host's rule, on the device
     the tests run on)."""
     L, S = 1, scaled(300, 3000)
-    sms = dec.multiprocessor_count(torch.device(DEVICE))
+    sms = plan.multiprocessor_count(torch.device(DEVICE))
     few = max(1, sms // 4)   # (B, KV heads) tiles: B x 1 KV head of 2 query heads
 
     def last_half(b, h, q_idx, kv_idx):   # the query at position S - 1; no per-batch tensor
@@ -416,8 +419,8 @@ def test_tile_counters_shared_and_left_zero():
     outs, code = run_and_get_code(compiled, k, v, *queries)
     code = "\n".join(code)
     assert len(_decode_kernels(code)) == 3
-    assert len(re.findall(rf"^\s+{dec.COUNTERS_WORKSPACE}\w* = ", code, re.M)) == 1
-    assert len(re.findall(rf"^\s+{dec.COUNTERS_WORKSPACE}\w*\.zero_\(\)", code, re.M)) == 1
+    assert len(re.findall(rf"^\s+{decode_lowering.COUNTERS_WORKSPACE}\w* = ", code, re.M)) == 1
+    assert len(re.findall(rf"^\s+{decode_lowering.COUNTERS_WORKSPACE}\w*\.zero_\(\)", code, re.M)) == 1
     for q, bm, out in zip(queries, masks, outs):
         expect = flexattn.flex_attention(q.double(), k.double(), v.double(), block_mask=bm, enable_gqa=True)
         torch.testing.assert_close(out.double(), expect, atol=2e-3, rtol=2e-3)
@@ -570,10 +573,10 @@ def test_bad_list_chunk(chunk):
 
 
 def test_list_chunk_size():
-    assert dec.list_chunk_size(64, {}) == dec.LIST_CHUNK_DEFAULT
-    assert dec.list_chunk_size(5, {}) == 8
-    assert dec.list_chunk_size(1, {}) == 2
-    assert dec.list_chunk_size(64, {"LIST_CHUNK": 4}) == 4
+    assert plan.list_chunk_size(64, {}) == plan.LIST_CHUNK_DEFAULT
+    assert plan.list_chunk_size(5, {}) == 8
+    assert plan.list_chunk_size(1, {}) == 2
+    assert plan.list_chunk_size(64, {"LIST_CHUNK": 4}) == 4
 
 
 @pytest.mark.parametrize("split", [0, 1000, "4"])
@@ -667,65 +670,65 @@ def test_dynamic_batch(merge):
     (128, 1, 128, False, (64, 1, 64)),
 ], ids=str)
 def test_packing(group, L, sparse_q, per_head, expect):
-    p = dec.packing(group, L, sparse_q, per_head)
+    p = plan.packing(group, L, sparse_q, per_head)
     assert (p.heads_per_tile, p.block_q, p.block_m) == expect
 
 
 def test_split_count():
     # B=1, 8 KV heads, 1 token, 132 SMs: one program per SM; a 32k cache has the steps.
-    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}) == 16
-    assert dec.split_count(sms=132, programs=4, max_steps=512, kernel_options={}) == 33
+    assert plan.split_count(sms=132, programs=8, max_steps=512, kernel_options={}) == 16
+    assert plan.split_count(sms=132, programs=4, max_steps=512, kernel_options={}) == 33
     # Short caches cap the split at MIN_STEPS_PER_SPLIT steps a share.
-    assert dec.split_count(sms=132, programs=8, max_steps=8, kernel_options={}) == 4
-    wave = 132 * dec.RESIDENT_PROGRAMS_PER_SM
+    assert plan.split_count(sms=132, programs=8, max_steps=8, kernel_options={}) == 4
+    wave = 132 * plan.RESIDENT_PROGRAMS_PER_SM
     # Fewer tiles than multiprocessors: still MIN_SPLIT_KV splits when the row has the
     # steps, but no more programs than a wave.
-    assert dec.split_count(sms=132, programs=64, max_steps=512, kernel_options={}) == dec.MIN_SPLIT_KV
-    assert dec.split_count(sms=132, programs=131, max_steps=512, kernel_options={}) == max(1, min(
-        dec.MIN_SPLIT_KV, wave // 131))
+    assert plan.split_count(sms=132, programs=64, max_steps=512, kernel_options={}) == plan.MIN_SPLIT_KV
+    assert plan.split_count(sms=132, programs=131, max_steps=512, kernel_options={}) == max(1, min(
+        plan.MIN_SPLIT_KV, wave // 131))
     # The tiles alone fill the multiprocessors within a wave: no split.
-    assert dec.split_count(sms=132, programs=132, max_steps=512, kernel_options={}) == 1
-    assert dec.split_count(sms=132, programs=wave, max_steps=512, kernel_options={}) == 1
+    assert plan.split_count(sms=132, programs=132, max_steps=512, kernel_options={}) == 1
+    assert plan.split_count(sms=132, programs=wave, max_steps=512, kernel_options={}) == 1
     # More tiles than a wave: MIN_WAVES waves of programs.
-    split = dec.split_count(sms=132, programs=wave + 1, max_steps=512, kernel_options={})
-    assert split & (split - 1) == 0 and split // 2 * (wave + 1) < dec.MIN_WAVES * wave <= split * (wave + 1)
-    assert dec.split_count(sms=132, programs=1024, max_steps=512, kernel_options={"SPLIT_KV": 1}) == 1
-    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={"SPLIT_KV": 5}) == 5
+    split = plan.split_count(sms=132, programs=wave + 1, max_steps=512, kernel_options={})
+    assert split & (split - 1) == 0 and split // 2 * (wave + 1) < plan.MIN_WAVES * wave <= split * (wave + 1)
+    assert plan.split_count(sms=132, programs=1024, max_steps=512, kernel_options={"SPLIT_KV": 1}) == 1
+    assert plan.split_count(sms=132, programs=8, max_steps=512, kernel_options={"SPLIT_KV": 5}) == 5
     # With BlockMask lists a share takes whole blocks: at most one split per listed block.
-    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=5) == 5
-    assert dec.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=64) == 16
+    assert plan.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=5) == 5
+    assert plan.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=64) == 16
     # Rows of any length follow the same rule (no long-row exception since session 14).
-    assert dec.split_count(sms=132, programs=64, max_steps=2048, kernel_options={}) == dec.MIN_SPLIT_KV
-    assert dec.split_count(sms=132, programs=256, max_steps=2048, kernel_options={}) == 1
+    assert plan.split_count(sms=132, programs=64, max_steps=2048, kernel_options={}) == plan.MIN_SPLIT_KV
+    assert plan.split_count(sms=132, programs=256, max_steps=2048, kernel_options={}) == 1
 
 
 def test_widen_for_latency():
-    base = [dec.DecodeConfig(64, 4, 3)]
-    wide = dec.widen_for_latency(base, 128, 132, 512, torch.bfloat16, 128, {})
-    assert [c.block_n for c in wide] == [dec.LATENCY_BLOCK_N]
+    base = [decode_configs.DecodeConfig(64, 4, 3)]
+    wide = plan.widen_for_latency(base, 128, 132, 512, torch.bfloat16, 128, {})
+    assert [c.block_n for c in wide] == [plan.LATENCY_BLOCK_N]
     # Throughput-bound, float32, a pinned BLOCK_N, a narrow BlockMask block or a short
     # split keep the table's step.
-    assert dec.widen_for_latency(base, 1024, 132, 512, torch.bfloat16, 128, {}) == base
-    assert dec.widen_for_latency(base, 128, 132, 512, torch.float32, 128, {}) == base
-    assert dec.widen_for_latency(base, 128, 132, 512, torch.bfloat16, 128, {"BLOCK_N": 64}) == base
-    assert dec.widen_for_latency(base, 128, 132, 512, torch.bfloat16, 64, {}) == base
-    assert dec.widen_for_latency(base, 128, 132, 128, torch.bfloat16, 128, {}) == base
+    assert plan.widen_for_latency(base, 1024, 132, 512, torch.bfloat16, 128, {}) == base
+    assert plan.widen_for_latency(base, 128, 132, 512, torch.float32, 128, {}) == base
+    assert plan.widen_for_latency(base, 128, 132, 512, torch.bfloat16, 128, {"BLOCK_N": 64}) == base
+    assert plan.widen_for_latency(base, 128, 132, 512, torch.bfloat16, 64, {}) == base
+    assert plan.widen_for_latency(base, 128, 132, 128, torch.bfloat16, 128, {}) == base
 
 
 def test_stream_step():
     """Long unsplit default-mask rows on sm90 take STREAM_CONFIG in place of the default
     (under autotuning the other candidates, the default among them, stay); anything else
     keeps the table's configs."""
-    default = dec.DecodeConfig(64, 4, 3)
+    default = decode_configs.DecodeConfig(64, 4, 3)
     call = dict(generation="sm90", tiles=256, sms=132, split_kv=1, dense_keys=32768, dtype=torch.bfloat16,
                 qk_dim_pad=128, sparse_kv=128, kernel_options={})
-    assert dec.stream_step([default], **call) == [dec.STREAM_CONFIG]
-    autotuned = dec.stream_step([default, *dec.AUTOTUNE_CANDIDATES], **call)
-    assert autotuned[0] == dec.STREAM_CONFIG
-    assert set(autotuned[1:]) == {default, *dec.AUTOTUNE_CANDIDATES} - {dec.STREAM_CONFIG}
-    assert dec.stream_step([default], **{**call, "dense_keys": dec.STREAM_KEYS}) == [dec.STREAM_CONFIG]
+    assert plan.stream_step([default], **call) == [decode_configs.STREAM_CONFIG]
+    autotuned = plan.stream_step([default, *decode_configs.AUTOTUNE_CANDIDATES], **call)
+    assert autotuned[0] == decode_configs.STREAM_CONFIG
+    assert set(autotuned[1:]) == {default, *decode_configs.AUTOTUNE_CANDIDATES} - {decode_configs.STREAM_CONFIG}
+    assert plan.stream_step([default], **{**call, "dense_keys": plan.STREAM_KEYS}) == [decode_configs.STREAM_CONFIG]
     for change in ({"generation": "sm80"}, {"tiles": 132}, {"tiles": 64}, {"split_kv": 8}, {"dense_keys": None},
-                   {"dense_keys": dec.STREAM_KEYS - 1}, {"dtype": torch.float32}, {"qk_dim_pad": 64},
+                   {"dense_keys": plan.STREAM_KEYS - 1}, {"dtype": torch.float32}, {"qk_dim_pad": 64},
                    {"qk_dim_pad": 256}, {"sparse_kv": 64}, {"kernel_options": {"num_stages": 3}},
                    {"kernel_options": {"BLOCK_N": 64}}):
-        assert dec.stream_step([default], **{**call, **change}) == [default], change
+        assert plan.stream_step([default], **{**call, **change}) == [default], change

@@ -14,7 +14,8 @@ import flexattn.lowering
 from flexattn import mods
 from flexattn._hop import dense_flex_attention, flex_attention_hop
 from flexattn.block_mask import create_block_mask, noop_mask
-from flexattn.lowering import configs as cfgs
+from flexattn.lowering.configs import base as config_base
+from flexattn.lowering.configs import forward as cfgs
 
 from _generated_code import constexpr
 from _numerics import assert_close_3way
@@ -129,7 +130,7 @@ def test_tma_choice():
 def test_tma_defaults_per_kernel_and_head_dim(monkeypatch):
     """The automatic USE_TMA table: 16-bit inputs on sm90; the forward at every head dim,
     the backward at D=128 only; never the decode kernel (no descriptor path)."""
-    from flexattn.lowering import configs
+    from flexattn.lowering.configs import tma as configs
     monkeypatch.setattr(configs, "gpu_generation", lambda device: "sm90")
     dev = torch.device("cuda")
     for dim in (32, 64, 128, 256):
@@ -273,7 +274,7 @@ def test_config_table_defaults_and_autotune_list():
 def test_one_kv_loop_choice(monkeypatch):
     """One loop over both block lists where the table says so (D=128 16-bit on sm90),
     two where a mask_mod reads captured tensors, unless pinned either way."""
-    monkeypatch.setattr(cfgs, "gpu_generation", lambda device: "sm90")
+    monkeypatch.setattr(config_base, "gpu_generation", lambda device: "sm90")
     dev = torch.device("cpu")
     assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {})[0].one_kv_loop
     assert not cfgs.candidate_configs(dev, 256, torch.bfloat16, False, {})[0].one_kv_loop

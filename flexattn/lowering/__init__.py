@@ -1,15 +1,20 @@
-"""Inductor lowerings of the flexattn HOPs.
+"""Inductor lowerings of the flexattn operators.
 
 ``register()`` installs them in Inductor's lowering table (idempotent); flexattn's
-``__init__`` calls it. Modules: ``forward`` (the forward HOP onto the Triton template,
-its grid and backend choice), ``subgraph`` (score_mod / mask_mod graphs to template IR),
-``configs`` (tile configurations), ``dense`` (the CPU path when Inductor's CPU backend
-is not Triton).
+``__init__`` calls it. Modules, one concern each:
+
+* ``dispatch``: the registered lowerings and the choice of kernel per call;
+* ``forward``, ``backward``, ``decode``: one kernel's lowering each (the decode's plan, a
+  pure function of sizes and options, in ``decode_plan``); none imports another;
+* ``common``: the host code they share (realising inputs, the call preparation,
+  specialisations, template choices, the chosen-config report);
+* ``subgraph``: score_mod / mask_mod graphs to the IR a template inlines;
+  ``buffer_grads``: the captured tensors' gradients as backward subgraphs;
+* ``configs/``: the tile-configuration tables, one per kernel and GPU generation;
+* ``dense``: the CPU path when Inductor's CPU backend is not Triton.
 """
 
 from __future__ import annotations
-
-import warnings
 
 _registered = False
 
@@ -19,18 +24,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from torch._inductor.lowering import register_lowering
+    from . import dispatch
 
-    from .._hop import flex_attention_backward_hop, flex_attention_hop
-    from .backward import lower_flex_attention_backward
-    from .forward import lower_flex_attention
-
-    register_lowering(flex_attention_hop, type_promotion_kind=None)(lower_flex_attention)
-    register_lowering(flex_attention_backward_hop, type_promotion_kind=None)(lower_flex_attention_backward)
-    # Inductor's FX utilities warn that they cannot propagate metadata through HOP
-    # subgraph arguments; flexattn's fake implementations give the outputs' metadata.
-    for op in (flex_attention_hop, flex_attention_backward_hop):
-        warnings.filterwarnings("ignore", message=f"Please add support for subgraph args to function {op.__name__}!")
+    dispatch.register()
     _registered = True
 
 

@@ -1,6 +1,7 @@
-"""CPU path when Inductor's CPU backend is not Triton: the dense decomposition, lowered.
+"""CPU path when Inductor's CPU backend is not Triton: the dense decomposition, lowered,
+forward (``lower_dense``) and backward (``lower_dense_backward``).
 
-The dense attention below (the reference's math, ``flexattn._hop.dense_math``) is traced
+The dense attention below (the reference's math, ``flexattn.reference.dense_math``) is traced
 by ``make_fx`` with Inductor's decomposition table into an aten graph over the call's
 tensors, and that graph's nodes are lowered one by one with Inductor's own lowerings
 into the enclosing graph, so Inductor's C++ backend compiles it like any other aten code.
@@ -11,7 +12,8 @@ graphs made only of elementwise ops and tensor indexing (``broadcastable_mod``);
 graph with any other op goes through ``torch.vmap`` as in the reference, which is
 correct but traces slowly (vmap loops over elements for ops without batching rules). It builds the full (B, H, L, S) score matrix:
 correct, memory-hungry, and meant as the CPU path until a memory-bounded CPU kernel
-exists. Shapes are specialised (guarded) to the call's sizes.
+exists. Shapes are specialised (guarded) to the call's sizes. The backward is autograd
+(``torch.func.vjp``) through the same dense attention, traced and lowered the same way.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from typing import Any, Sequence
 import sympy
 import torch
 import torch.utils._pytree as pytree
-from torch._inductor import ir
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.lowering import fallback_handler, lowerings
 from torch._inductor.virtualized import V
 
 from .. import _compat
-from .._hop import BM_MASK_MOD, dense_math, kv_block_columns, listed_grid
+from .._hop import buffers_with_grad
+from .._mask_tuple import BlockMaskView
+from ..reference import dense_math, kv_block_columns, listed_grid
+from .common import as_tensor_boxes, realize_fixed
 
 #: Ops besides pointwise-tagged ones that act elementwise under broadcasting.
 _BROADCAST_SAFE = {
@@ -80,11 +84,12 @@ def dense_attention(query, key, value, score_mod, block_mask, scale, score_mod_b
     grids = _index_grids(B, Hq, L, S, query.device)
     scores = (query @ k.transpose(-2, -1)).to(torch.float32) * scale
     scores = score_mod(scores, *grids, *score_mod_buffers).to(torch.float32)
-    q_block, kv_block = block_mask[10], block_mask[11]
-    allowed = _block_grid(block_mask[2], block_mask[3], L, S, q_block, kv_block)
-    allowed = allowed & block_mask[BM_MASK_MOD](*grids, *mask_mod_buffers).to(torch.bool)
-    if block_mask[4] is not None:
-        allowed = allowed | _block_grid(block_mask[4], block_mask[5], L, S, q_block, kv_block)
+    bm = BlockMaskView(*block_mask)
+    q_block, kv_block = bm.block_sizes
+    allowed = _block_grid(bm.kv_num_blocks, bm.kv_indices, L, S, q_block, kv_block)
+    allowed = allowed & bm.mask_mod(*grids, *mask_mod_buffers).to(torch.bool)
+    if bm.full_kv_num_blocks is not None:
+        allowed = allowed | _block_grid(bm.full_kv_num_blocks, bm.full_kv_indices, L, S, q_block, kv_block)
     allowed = allowed.expand(B, Hq, L, S)
     scores = scores.masked_fill(~allowed, float("-inf"))
     row_max = scores.amax(dim=-1)
@@ -121,30 +126,42 @@ def _example(node) -> Any:
         return torch.empty_strided(sizes, strides, dtype=node.get_dtype(), device=node.get_device())
 
 
-def _trace(query, key, value, score_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers):
-    """The aten graph of dense_math for these inputs, and the IR inputs it takes in order."""
-    mask_graph = block_mask[BM_MASK_MOD]
-    mask_tensors = list(block_mask[2:10])
-    present = [i for i, t in enumerate(mask_tensors) if t is not None]
-    graph_inputs = [query, key, value, *(mask_tensors[i] for i in present),
-                    *score_mod_buffers, *mask_mod_buffers]
-    n_smb = len(score_mod_buffers)
-    broadcastable = broadcastable_mod(score_graph) and broadcastable_mod(mask_graph)
+class _GraphBlockMask:
+    """The block mask of a traced dense graph: static sizes, the mask_mod's graph, and
+    the tables that are present as graph inputs (absent ones stay None)."""
 
-    def dense(q, k, v, *rest):
-        tensors = [None] * len(mask_tensors)
-        for slot, t in zip(present, rest[: len(present)]):
-            tensors[slot] = t
-        buffers = rest[len(present):]
-        bm = (*block_mask[:2], *tensors, *block_mask[10:BM_MASK_MOD], mask_graph)
-        math = dense_attention if broadcastable else dense_math
-        out, lse, max_scores = math(q, k, v, score_graph, bm, scale, buffers[:n_smb], buffers[n_smb:])
-        return out, lse, max_scores
+    def __init__(self, block_mask):
+        bm = BlockMaskView(*block_mask)
+        self.view = bm._replace(q_len=_static(bm.q_len), kv_len=_static(bm.kv_len),
+                                q_block_size=_static(bm.q_block_size), kv_block_size=_static(bm.kv_block_size),
+                                mask_mod=bm.mask_mod.graph_module)
+        self.present = [i for i, t in enumerate(bm.tables) if t is not None]
 
+    def inputs(self) -> list:
+        """The present tables, in order: graph inputs after q, k, v (and dO, dlse)."""
+        return [self.view.tables[i] for i in self.present]
+
+    def with_inputs(self, tensors) -> tuple:
+        """The block-mask tuple inside the trace, from the traced present tables."""
+        tables = [None] * len(self.view.tables)
+        for slot, t in zip(self.present, tensors):
+            tables[slot] = t
+        return tuple(self.view.with_tables(tables))
+
+
+def _attention_math(score_graph, mask_graph, dtype):
+    """dense_attention (mods by broadcasting) when both mods allow it, else dense_math.
+    The broadcasting variant computes its softmax in float32; float64 calls keep the
+    reference's float64 math."""
+    if broadcastable_mod(score_graph) and broadcastable_mod(mask_graph) and dtype != torch.float64:
+        return dense_attention
+    return dense_math
+
+
+def _traced(fn, graph_inputs):
     examples = [_example(x) for x in graph_inputs]
-    traced = _compat.make_fx(torch.func.functionalize(dense), decomposition_table=select_decomp_table(),
-                             tracing_mode="fake")(*examples)
-    return traced, graph_inputs
+    return _compat.make_fx(torch.func.functionalize(fn), decomposition_table=select_decomp_table(),
+                           tracing_mode="fake")(*examples)
 
 
 def _lower_graph(gm: torch.fx.GraphModule, inputs: Sequence) -> list:
@@ -175,13 +192,56 @@ def _lower_graph(gm: torch.fx.GraphModule, inputs: Sequence) -> list:
 def lower_dense(query, key, value, score_mod, block_mask, scale, kernel_options,
                 score_mod_buffers, mask_mod_buffers):
     """out, lse, max_scores of the call, computed densely (see the module docstring)."""
-    block_mask = tuple(block_mask)
-    lengths = tuple(_static(n) for n in block_mask[:2])
-    block_sizes = tuple(_static(n) for n in block_mask[10:BM_MASK_MOD])
-    graph_block_mask = (*lengths, *block_mask[2:10], *block_sizes, block_mask[BM_MASK_MOD].graph_module)
-    traced, graph_inputs = _trace(query, key, value, score_mod.graph_module, graph_block_mask,
-                                  scale, list(score_mod_buffers), list(mask_mod_buffers))
-    inputs = [ir.TensorBox(x) if isinstance(x, ir.IRNode) and not isinstance(x, ir.TensorBox) else x
-              for x in graph_inputs]
-    out, lse, max_scores = _lower_graph(traced, inputs)
+    graph_mask = _GraphBlockMask(block_mask)
+    score_graph = score_mod.graph_module
+    tables = graph_mask.inputs()
+    n_tables, n_score = len(tables), len(score_mod_buffers)
+    graph_inputs = [query, key, value, *tables, *score_mod_buffers, *mask_mod_buffers]
+    math = _attention_math(score_graph, graph_mask.view.mask_mod, query.get_dtype())
+
+    def dense(q, k, v, *rest):
+        bm = graph_mask.with_inputs(rest[:n_tables])
+        buffers = rest[n_tables:]
+        return math(q, k, v, score_graph, bm, scale, buffers[:n_score], buffers[n_score:])
+
+    out, lse, max_scores = _lower_graph(_traced(dense, graph_inputs), as_tensor_boxes(graph_inputs))
     return out, lse, max_scores
+
+
+def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
+                         joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers):
+    """grad_q, grad_k, grad_v, grad_buffers computed densely: the vjp of the dense
+    attention (see the module docstring)."""
+    graph_mask = _GraphBlockMask(block_mask)
+    score_graph = fw_graph.graph_module
+    tables = graph_mask.inputs()
+    n_tables, n_score = len(tables), len(score_mod_buffers)
+    has_grad_lse = grad_logsumexp is not None
+    graph_inputs = [query, key, value, grad_out, *([grad_logsumexp] if has_grad_lse else []),
+                    *tables, *score_mod_buffers, *mask_mod_buffers]
+    graph_inputs = [realize_fixed(x) for x in graph_inputs]
+    wants = buffers_with_grad(joint_graph.graph_module, n_score)
+    grad_positions = [i for i, w in enumerate(wants) if w]
+    math = _attention_math(score_graph, graph_mask.view.mask_mod, query.get_dtype())
+
+    def dense_backward(q, k, v, grad_out, *rest):
+        grad_lse, rest = (rest[0], rest[1:]) if has_grad_lse else (None, rest)
+        bm = graph_mask.with_inputs(rest[:n_tables])
+        buffers = list(rest[n_tables:])
+        score_buffers = buffers[:n_score]
+
+        def attention(q, k, v, *differentiable_buffers):
+            full = list(score_buffers)
+            for i, b in zip(grad_positions, differentiable_buffers):
+                full[i] = b
+            o, lse, _ = math(q, k, v, score_graph, bm, scale, full, buffers[n_score:])
+            return o, lse
+
+        # torch.func.vjp, not torch.autograd: it composes with the functionalize
+        # transform the trace runs under.
+        (o, lse), vjp = torch.func.vjp(attention, q, k, v, *(score_buffers[i] for i in grad_positions))
+        return tuple(vjp((grad_out, grad_lse if grad_lse is not None else torch.zeros_like(lse))))
+
+    grads = _lower_graph(_traced(dense_backward, graph_inputs), as_tensor_boxes(graph_inputs))
+    buffer_grads = iter(grads[3:])
+    return grads[0], grads[1], grads[2], tuple(next(buffer_grads) if w else None for w in wants)

@@ -1,6 +1,7 @@
-"""Jinja-templated Triton kernels of flexattn (one ``.py.jinja`` per kernel, plus shared
-helpers in ``common.py.jinja``). ``kernel_source(name)`` gives a kernel's template with
-the shared helpers appended, ready for Inductor's ``TritonTemplate``."""
+"""Jinja-templated Triton kernels of flexattn: one ``.py.jinja`` per kernel, plus helper
+templates shared by several (``merge_helpers``: the decode merge arithmetic; ``common``:
+every kernel's helpers). ``kernel_source`` assembles a kernel's source from whole files
+for Inductor's ``TritonTemplate``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,6 @@ def read_template(name: str) -> str:
     return (TEMPLATE_DIR / f"{name}.py.jinja").read_text()
 
 
-def kernel_source(name: str) -> str:
-    """A kernel template followed by the shared helper template."""
-    return read_template(name) + "\n" + read_template("common")
+def kernel_source(name: str, helpers: tuple[str, ...] = ()) -> str:
+    """A kernel template followed by the given helper templates and the common helpers."""
+    return "\n".join(read_template(part) for part in (name, *helpers, "common"))

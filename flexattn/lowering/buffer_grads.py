@@ -1,0 +1,235 @@
+"""The gradients of a score_mod's captured tensors, computed inside the backward kernel.
+
+The joint graph of score_mod (its forward and vjp over 0-d values) returns the score's
+gradient and one gradient per captured tensor. Each captured-tensor gradient is
+recognised as a sum of scatters (``index_put(zeros, indices, values, accumulate=True)``,
+or a 0-d buffer's elementwise gradient) and rebuilt as template subgraphs
+(``plan_buffer_grads``): per-element ``atomic_add`` scatters into zero-filled float32
+buffers, or, for terms whose entry depends on b and h only, a tile-summed value with one
+atomic per tile into a workspace. The result is cast to the buffer's dtype afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor.lowering import lowerings, to_dtype
+from torch._inductor.virtualized import ops
+
+from .common import as_tensor_boxes, realize_fixed
+from .subgraph import SCORE_MOD_ARGS, build_mod_buffer, depends_on
+
+aten = torch.ops.aten
+
+#: Placeholders of the joint graph: score_mod's, then the incoming gradient of the score.
+JOINT_ARGS: tuple[tuple[str, torch.dtype | None], ...] = SCORE_MOD_ARGS + (("grad_score_out", None),)
+
+
+def graph_returning(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that returns ``node`` alone (placeholders kept, dead code dropped)."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            break
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    graph.output(env[node])
+    # Dead-code elimination that also drops the in-place scatters of buffer gradients
+    # (fx's own keeps every mutating node).
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and not n.users:
+            graph.erase_node(n)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def joint_outputs(joint_gm: torch.fx.GraphModule) -> list:
+    output = next(n for n in joint_gm.graph.nodes if n.op == "output")
+    results = output.args[0]
+    return list(results) if isinstance(results, (tuple, list)) else [results]
+
+
+_ZERO_FILLS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
+_INDEX_PUTS = {aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default}
+
+
+@dataclass
+class ScatterTerm:
+    """One ``grad[indices] += value`` of a captured buffer's gradient (0-d buffers have
+    no indices: every (q, kv) pair adds into the single entry)."""
+
+    indices: list[torch.fx.Node]
+    value: torch.fx.Node
+
+
+def _is_zero_fill(node: Any) -> bool:
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    if node.target in _ZERO_FILLS:
+        return True
+    return node.target in (aten.full.default, aten.new_full.default) and node.args[-1] == 0
+
+
+def _index_put_term(node: torch.fx.Node, buffer_rank: int) -> ScatterTerm | None:
+    """``base[indices] += values`` as a ScatterTerm (None unless it accumulates with one
+    tensor index per dimension)."""
+    _, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if accumulate and len(indices) == buffer_rank and all(isinstance(i, torch.fx.Node) for i in indices):
+        return ScatterTerm(list(indices), values)
+    return None
+
+
+def scatter_terms(node: torch.fx.Node, buffer_rank: int, what: str) -> list[ScatterTerm]:
+    """A buffer gradient of the joint graph as a sum of scatters (see the module doc)."""
+    if node.op == "call_function" and node.target is aten.add.Tensor and len(node.args) == 2 \
+            and all(isinstance(a, torch.fx.Node) for a in node.args):
+        return scatter_terms(node.args[0], buffer_rank, what) + scatter_terms(node.args[1], buffer_rank, what)
+    if node.op == "call_function" and node.target in _INDEX_PUTS:
+        term = _index_put_term(node, buffer_rank)
+        if term is not None and _is_zero_fill(node.args[0]):
+            return [term]
+    if _is_zero_fill(node):
+        # Functionalized graphs scatter in place into the zero fill they return.
+        writers = [u for u in node.users if u.target is aten.index_put_.default and u.args[0] is node]
+        terms = [_index_put_term(u, buffer_rank) for u in writers]
+        if all(t is not None for t in terms):
+            return terms
+    if buffer_rank == 0:
+        return [ScatterTerm([], node)]
+    raise NotImplementedError(
+        f"flexattn: cannot compute the gradient of {what} inside the backward kernel: its "
+        f"gradient is built by {node.format_node()}. Supported: a tensor indexed with one "
+        f"index per dimension (e.g. table[h, kv_idx - q_idx]), possibly several times, or a "
+        f"0-d tensor used directly. Slices and partial indexing are not supported.")
+
+
+def _scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str,
+                   fast_tanh: bool = False):
+    """An IR loader of ``node`` (a 0-d value of the joint graph) for the template."""
+    buffer = build_mod_buffer(graph_returning(gm, node), JOINT_ARGS, dtype, device, captured, what,
+                              fast_tanh=fast_tanh)
+    return buffer.data.inner_fn
+
+
+@dataclass
+class BufferGradPlan:
+    """How the backward kernel produces the gradients of captured tensors.
+
+    * ``scatters`` (template subgraph 3, empty when none): per-element atomic adds, for
+      buffers indexed by q_idx or kv_idx (a relative-bias table): each (q, kv) pair of a
+      tile adds into its own entry.
+    * ``reduced`` (pairs of subgraphs from ``REDUCED_GRAD_SUBGRAPH`` on): terms whose
+      entry depends on b and h only (ALiBi slopes[h], a per-head scale, a 0-d
+      temperature). The kernel sums such a term's values over the tile first and adds
+      the sum with one atomic into ``workspace`` at the term's index subgraph: one
+      atomic per tile instead of one per element, and a tree sum instead of a long
+      chain of float32 additions into one address.
+    * ``scatter_grads``: the zero-filled float32 buffers the scatters add into.
+    * ``grads[i]``: the float32 gradient of captured tensor i (None if it needs none),
+      a view into ``workspace`` for the reduced ones.
+    """
+
+    scatters: list
+    scatter_grads: list
+    reduced: list
+    workspace: Any
+    grads: list
+
+
+def _linear_index_buffer(index_fns, sizes, base: int, device) -> ir.ComputedBuffer:
+    """A 0-d int64 subgraph: ``base`` + the row-major offset of the entry the index
+    loaders name in a tensor of ``sizes`` (negative indices wrap, as in Python)."""
+
+    def inner_fn(_):
+        total = ops.constant(base, torch.int64)
+        stride = 1
+        for fn, size in reversed(list(zip(index_fns, sizes))):
+            idx = ops.to_dtype(fn(()), torch.int64)
+            idx = ops.where(ops.lt(idx, ops.constant(0, torch.int64)),
+                            ops.add(idx, ops.constant(size, torch.int64)), idx)
+            total = ops.add(total, ops.mul(idx, ops.constant(stride, torch.int64)))
+            stride *= size
+        return total
+
+    buffer = ir.ComputedBuffer(
+        name=None, layout=ir.FlexibleLayout(device=device, dtype=torch.int64, size=[]),
+        data=ir.Pointwise(device=device, dtype=torch.int64, inner_fn=inner_fn, ranges=[]))
+    buffer.freeze_layout()
+    return buffer
+
+
+def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_tanh: bool) -> BufferGradPlan:
+    """The subgraphs and float32 buffers of the captured-tensor gradients (see
+    ``BufferGradPlan``)."""
+    results = joint_outputs(joint_gm)[1:]
+    captured = as_tensor_boxes(score_mod_buffers)
+    placeholders = [n for n in joint_gm.graph.nodes if n.op == "placeholder"]
+    per_pair = {placeholders[3], placeholders[4]}  # q_idx, kv_idx (JOINT_ARGS order)
+
+    terms_of: dict[int, list[ScatterTerm]] = {}
+    reducible: dict[int, bool] = {}
+    for i, (buf, want, node) in enumerate(zip(score_mod_buffers, wants, results)):
+        if want:
+            sizes = list(buf.get_size())
+            terms_of[i] = scatter_terms(node, len(sizes), f"captured tensor #{i} of score_mod")
+            reducible[i] = all(isinstance(s, (int, sympy.Integer)) for s in sizes) and not any(
+                depends_on(idx, per_pair) for t in terms_of[i] for idx in t.indices)
+
+    offsets, total = {}, 0
+    for i in terms_of:
+        if reducible[i]:
+            offsets[i] = total
+            total += int(sympy.prod([int(s) for s in score_mod_buffers[i].get_size()]))
+    workspace = realize_fixed(lowerings[aten.full.default]([max(total, 1)], 0.0, dtype=torch.float32,
+                                                           device=device))
+
+    scatters: list[ir.ComputedBuffer] = []
+    reduced: list[ir.ComputedBuffer] = []
+    scatter_grads: list[Any] = []
+    grads: list[Any] = [None] * len(score_mod_buffers)
+    for i, terms in terms_of.items():
+        what = f"captured tensor #{i} of score_mod"
+        sizes = [int(s) for s in score_mod_buffers[i].get_size()] if reducible[i] \
+            else list(score_mod_buffers[i].get_size())
+        if reducible[i]:
+            numel = int(sympy.prod(sizes))
+            view = lowerings[aten.slice.Tensor](ir.TensorBox(workspace), 0, offsets[i], offsets[i] + numel)
+            grads[i] = lowerings[aten.view.default](view, sizes)
+            for term in terms:
+                value = build_mod_buffer(graph_returning(joint_gm, term.value), JOINT_ARGS, dtype, device,
+                                         captured, what, fast_tanh=fast_tanh)
+                index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
+                reduced += [value, _linear_index_buffer(index_fns, sizes, offsets[i], device)]
+            continue
+        grad = realize_fixed(lowerings[aten.full.default](sizes, 0.0, dtype=torch.float32, device=device))
+        grads[i] = grad
+        scatter_grads.append(grad)
+        for term in terms:
+            value_fn = _scalar_loader(joint_gm, term.value, dtype, device, captured, what, fast_tanh)
+            index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
+
+            def output_indexer(_, index_fns=index_fns, sizes=sizes):
+                return [ops.indirect_indexing(fn(()), size, check=False) for fn, size in zip(index_fns, sizes)]
+
+            def value(_, value_fn=value_fn):
+                return ops.to_dtype(value_fn(()), torch.float32)
+
+            scatter = ir.Scatter(device=device, dtype=torch.float32, inner_fn=value, ranges=[],
+                                 output_indexer=output_indexer, scatter_mode="atomic_add")
+            scatters.append(ir.ComputedBuffer(name=grad.get_name(), layout=ir.MutationLayoutSHOULDREMOVE(grad),
+                                              data=scatter))
+    return BufferGradPlan(scatters=scatters, scatter_grads=scatter_grads, reduced=reduced, workspace=workspace, grads=grads)
+
+
+def finish_buffer_grad(grad, buf):
+    """The float32 accumulation ``grad`` as the gradient of the captured ``buf``."""
+    grad = grad if isinstance(grad, ir.TensorBox) else ir.TensorBox(grad)
+    if buf.get_dtype() != torch.float32:
+        grad = to_dtype(grad, buf.get_dtype())
+    return grad
+
+

@@ -1,0 +1,140 @@
+"""Tile configurations of the forward kernel (``templates/forward.py.jinja``).
+
+A ``ForwardConfig`` is one launch shape: the query tile (BLOCK_M), the KV step (BLOCK_N),
+warps, software-pipeline stages and the one-loop flag. A call tries its generation's
+default (``TABLES``), plus ``AUTOTUNE_CANDIDATES`` under Inductor's max_autotune; pinned
+kernel_options fields replace that field in every candidate, and ``usable_configs``
+fits them to the BlockMask's blocks and shared memory (raising for a pinned value that
+cannot fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .base import (MIN_TILE, TileConfig, check_pinned, fit_candidates, generation_table, no_config_error,
+                   with_pinned)
+
+
+@dataclass(frozen=True)
+class ForwardConfig(TileConfig):
+    """One launch configuration of the forward template."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    #: Walk the partial and the full KV blocks in one loop (ONE_KV_LOOP): fewer registers
+    #: for a branch per tile; pays where two loops spill (bench/DECISIONS.md#forward-one-kv-loop).
+    one_kv_loop: bool = False
+
+    OPTION_NAMES: ClassVar[dict[str, str]] = {"block_m": "BLOCK_M", "block_n": "BLOCK_N", "num_warps": "num_warps",
+                                              "num_stages": "num_stages", "one_kv_loop": "ONE_KV_LOOP"}
+    OPTION_PREFIX: ClassVar[str] = "fwd_"
+
+
+# Defaults per GPU generation, keyed by (padded QK head-dim bucket, dtype width).
+# sm90 16-bit tiles were chosen by sweeps (bench/DECISIONS.md#forward-defaults); sm80 are
+# FlashAttention-2 style tiles; float32 halves the bytes per tile; "generic" (incl. the
+# interpreter) favours large tiles, i.e. fewer interpreted steps.
+SM90: dict[tuple[int, str], ForwardConfig] = {
+    (64, "16bit"): ForwardConfig(128, 128, 4, 3),
+    (128, "16bit"): ForwardConfig(128, 64, 4, 2, one_kv_loop=True),
+    (256, "16bit"): ForwardConfig(128, 64, 8, 2),
+    (64, "fp32"): ForwardConfig(128, 32, 4, 3),
+    (128, "fp32"): ForwardConfig(32, 64, 4, 3),
+    (256, "fp32"): ForwardConfig(32, 32, 4, 3),
+}
+SM80: dict[tuple[int, str], ForwardConfig] = {
+    (64, "16bit"): ForwardConfig(128, 64, 4, 3),
+    (128, "16bit"): ForwardConfig(128, 64, 8, 3),
+    (256, "16bit"): ForwardConfig(32, 64, 4, 3),
+    (64, "fp32"): ForwardConfig(128, 32, 4, 3),
+    (128, "fp32"): ForwardConfig(128, 32, 4, 3),
+    (256, "fp32"): ForwardConfig(64, 16, 4, 3),
+}
+GENERIC: dict[tuple[int, str], ForwardConfig] = {
+    (64, "16bit"): ForwardConfig(64, 64, 4, 2),
+    (128, "16bit"): ForwardConfig(64, 64, 4, 2),
+    (256, "16bit"): ForwardConfig(32, 32, 4, 2),
+    (64, "fp32"): ForwardConfig(64, 64, 4, 2),
+    (128, "fp32"): ForwardConfig(64, 32, 4, 2),
+    (256, "fp32"): ForwardConfig(32, 32, 4, 2),
+}
+TABLES = {"sm90": SM90, "sm80": SM80, "generic": GENERIC}
+
+#: Extra candidates benchmarked under max_autotune (after fitting).
+AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
+    ForwardConfig(128, 64, 8, 3),
+    ForwardConfig(128, 128, 4, 3),
+    ForwardConfig(128, 128, 8, 3),
+    ForwardConfig(128, 64, 4, 3),
+    ForwardConfig(128, 64, 8, 2),
+    ForwardConfig(128, 32, 4, 3),
+    ForwardConfig(64, 128, 4, 3),
+    ForwardConfig(64, 64, 4, 3),
+    ForwardConfig(64, 64, 4, 4),
+    ForwardConfig(64, 32, 4, 3),
+)
+
+#: REVERSED_Q_TILES when kernel_options leave it unset (bench/DECISIONS.md#forward-reversed-q-tiles-default).
+REVERSED_Q_TILES = False
+
+#: Shared-memory fitting order: fewer stages, then a narrower KV step.
+SMEM_STEPS = (("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n", MIN_TILE))
+
+
+def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> ForwardConfig:
+    return generation_table(TABLES, device, padded_head_dim, dtype)
+
+
+def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int,
+                           gathered_bytes: int = 0) -> int:
+    """The Q tile plus num_stages buffered K and V tiles, plus the score-shaped gathers
+    of the mods (``gathered_bytes`` per element, see ``subgraph.gathered_tile_bytes``)
+    buffered for each extra stage (each stage with ONE_KV_LOOP, as Triton 3.6 pipelines
+    the branch), plus for float64 the probability tile, which its FMA dot reads from
+    shared memory; in bytes."""
+    q_tile = cfg.block_m * qk_dim_pad
+    kv_stage = cfg.block_n * (qk_dim_pad + v_dim_pad)
+    gather_stages = cfg.num_stages if cfg.one_kv_loop else cfg.num_stages - 1
+    gathers = gather_stages * cfg.block_m * cfg.block_n * gathered_bytes
+    p_tile = cfg.block_m * cfg.block_n if elem_bytes == 8 else 0
+    return elem_bytes * (q_tile + cfg.num_stages * kv_stage + p_tile) + gathers
+
+
+def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.dtype, max_autotune: bool,
+                      kernel_options: dict[str, Any], mask_reads_memory: bool = False) -> list[ForwardConfig]:
+    """Default (+ autotune candidates), with pinned fields applied, deduplicated.
+
+    A mask_mod that reads captured tensors keeps one loop per block group unless
+    ONE_KV_LOOP is pinned: behind the one loop's branch its loads are not
+    software-pipelined (bench/DECISIONS.md#forward-mask-reads-memory).
+    """
+    configs = [default_config(device, padded_head_dim, dtype)]
+    if max_autotune:
+        configs += list(AUTOTUNE_CANDIDATES)
+    if mask_reads_memory:
+        configs = [dataclasses.replace(cfg, one_kv_loop=False) for cfg in configs]
+    return with_pinned(configs, ForwardConfig.pinned_fields(kernel_options))
+
+
+def usable_configs(candidates: list[ForwardConfig], kernel_options: dict[str, Any], *, sparse_q: int,
+                   sparse_kv: int, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int, smem_limit: int | None,
+                   gathered_bytes: int = 0) -> list[ForwardConfig]:
+    """The candidates that satisfy every constraint (tiles dividing the BlockMask's
+    blocks, shared memory); a pinned value that breaks one raises ``ConfigError``."""
+    pinned = ForwardConfig.pinned_fields(kernel_options)
+    check_pinned(pinned, {"block_m": ("BLOCK_M", "Q", sparse_q), "block_n": ("BLOCK_N", "KV", sparse_kv)})
+    usable = fit_candidates(
+        candidates, block_limits={"block_m": sparse_q, "block_n": sparse_kv},
+        estimate=lambda c: shared_memory_estimate(c, qk_dim_pad, v_dim_pad, elem_bytes, gathered_bytes),
+        smem_limit=smem_limit, pinned=pinned, steps=SMEM_STEPS)
+    if not usable:
+        raise no_config_error("forward", candidates, sparse_q=sparse_q, sparse_kv=sparse_kv, qk_dim_pad=qk_dim_pad,
+                              v_dim_pad=v_dim_pad, smem_limit=smem_limit)
+    return usable

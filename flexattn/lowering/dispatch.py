@@ -1,0 +1,78 @@
+"""The lowerings registered for flexattn's operators, and the choice of kernel.
+
+A call whose tensors live on a CUDA (or XPU) device, or on the CPU when Inductor's CPU
+backend is Triton (the interpreter), goes to a Triton template: the split-KV decode
+kernel for short queries against long keys (``decode_plan.wants_decode_kernel``), else
+the forward kernel; its backward to the backward kernel. Other CPU calls go to the
+dense decomposition (``dense.py``) that Inductor's C++ backend compiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from .. import _compat
+from .._hop import flex_attention_backward_hop, flex_attention_hop
+from .._mask_tuple import BlockMaskView
+from .backward import lower_backward
+from .common import hint
+from .decode import lower_decode
+from .decode_plan import wants_decode_kernel
+from .dense import lower_dense, lower_dense_backward
+from .forward import lower_forward
+from .subgraph import inline_scalar_items
+
+log = logging.getLogger("flexattn.lowering")
+
+
+def use_triton_template(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return _compat.inductor_cpu_backend() == "triton"
+    return device.type in ("cuda", "xpu")
+
+
+def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
+                         score_mod_buffers=(), mask_mod_buffers=()):
+    """The lowering registered for ``flexattn._hop.flex_attention_hop``."""
+    inline_scalar_items(score_mod, BlockMaskView(*block_mask).mask_mod)
+    args = (query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers)
+    device = query.get_device()
+    if use_triton_template(device):
+        if wants_decode_kernel(hint(query.get_size()[2]), hint(key.get_size()[2]), kernel_options or {}):
+            return lower_decode(*args)
+        return lower_forward(*args)
+    if device.type == "cpu":
+        log.info("flexattn forward on CPU with cpu_backend=%r: dense decomposition", _compat.inductor_cpu_backend())
+        return lower_dense(*args)
+    raise NotImplementedError(f"flexattn: no forward kernel for device type {device.type!r}")
+
+
+def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
+                                  joint_graph, block_mask, scale, kernel_options, score_mod_buffers=(),
+                                  mask_mod_buffers=()):
+    """The lowering registered for ``flexattn._hop.flex_attention_backward_hop``."""
+    inline_scalar_items(fw_graph, joint_graph, BlockMaskView(*block_mask).mask_mod)
+    device = query.get_device()
+    if use_triton_template(device):
+        return lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
+                              block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers)
+    if device.type == "cpu":
+        log.info("flexattn backward on CPU with cpu_backend=%r: dense decomposition", _compat.inductor_cpu_backend())
+        return lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
+                                    joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers)
+    raise NotImplementedError(f"flexattn: no backward kernel for device type {device.type!r}")
+
+
+def register() -> None:
+    """Install both lowerings in Inductor's lowering table."""
+    from torch._inductor.lowering import register_lowering
+
+    register_lowering(flex_attention_hop, type_promotion_kind=None)(lower_flex_attention)
+    register_lowering(flex_attention_backward_hop, type_promotion_kind=None)(lower_flex_attention_backward)
+    # Inductor's FX utilities warn that they cannot propagate metadata through HOP
+    # subgraph arguments; flexattn's fake implementations give the outputs' metadata.
+    for op in (flex_attention_hop, flex_attention_backward_hop):
+        warnings.filterwarnings("ignore", message=f"Please add support for subgraph args to function {op.__name__}!")

@@ -1,0 +1,103 @@
+"""The package's shape: no import circle inside flexattn, no kernel lowering importing
+another, no module over 700 lines (block_mask.py excepted, see below), and no history
+notes (session numbers, dates, run ids) in the package, the docs or the README."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "flexattn"
+KERNEL_LOWERINGS = {"flexattn.lowering.forward", "flexattn.lowering.backward", "flexattn.lowering.decode"}
+#: Modules allowed past MAX_LINES: block_mask.py is one concern (the BlockMask type, its
+#: construction and its views), and splitting the class across files would not be clearer.
+LONG_MODULES = {"flexattn.block_mask"}
+MAX_LINES = 700
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """flexattn modules imported by a file, at any depth of its code."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t.startswith("flexattn") and _exists(t)}
+    return found - {name}
+
+
+def _exists(module: str) -> bool:
+    path = ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def test_no_import_circle():
+    graph = _graph()
+    # A package importing its own submodules (re-exports) is not a circle.
+    edges = {m: {t for t in targets if not m.startswith(t + ".") and not t.startswith(m + ".")}
+             for m, targets in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(target):] + [target]))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+
+
+def test_no_kernel_lowering_imports_another():
+    graph = _graph()
+    for module in KERNEL_LOWERINGS:
+        others = graph[module] & (KERNEL_LOWERINGS - {module})
+        assert not others, f"{module} imports {sorted(others)}"
+
+
+def test_module_lengths():
+    for path in PACKAGE.rglob("*.py"):
+        lines = len(path.read_text().splitlines())
+        if _module_name(path) not in LONG_MODULES:
+            assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines"
+
+
+HISTORY = re.compile(r"\bsessions? \d+\b|\bround \d+\b|\b20\d\d-\d\d-\d\d\b|\b20\d{6}-\d{6}\b", re.I)
+
+
+def test_no_history_notes():
+    paths = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.jinja"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in paths
+            for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not hits, "history notes belong in bench/DECISIONS.md:\n" + "\n".join(hits)
