@@ -568,7 +568,8 @@ def test_contradicting_force_options():
 
 @pytest.mark.parametrize("chunk", [1, 3, 0, True, "16"])
 def test_bad_list_chunk(chunk):
-    with pytest.raises(Exception, match="LIST_CHUNK must be a power of two >= 2"):
+    # Not an int: the registry's kind check in flex_attention; a bad int: the lowering's.
+    with pytest.raises(Exception, match="LIST_CHUNK must be (a power of two >= 2|an int)"):
         _code_for(1, 300, {"LIST_CHUNK": chunk})
 
 
@@ -732,3 +733,37 @@ def test_stream_step():
                    {"qk_dim_pad": 256}, {"sparse_kv": 64}, {"kernel_options": {"num_stages": 3}},
                    {"kernel_options": {"BLOCK_N": 64}}):
         assert plan.stream_step([default], **{**call, **change}) == [default], change
+
+
+def test_plan_decode_is_a_pure_function_of_its_inputs():
+    """plan_decode runs without Inductor: a B=1 GQA step on an H100-sized sm90 device
+    splits to fill the multiprocessors, widens its KV step (latency-bound) and packs the
+    whole group; a B=32 step of the default mask over a long row streams unsplit."""
+    base = dict(batch=1, q_heads=32, q_len=1, kv_len=32768, gqa_group=4, qk_dim_pad=128, v_dim_pad=128,
+                dtype=torch.bfloat16, generation="sm90", sms=132, smem_limit=227 * 1024, sparse_q=128,
+                sparse_kv=128, mask_varies_over_heads=False, dense_kv=True, row_width=None, max_autotune=False)
+    small = plan.plan_decode(plan.DecodeInputs(**base))
+    assert small.packing == plan.Packing(heads_per_tile=4, block_q=1, block_m=16)
+    assert small.head_tiles == 8 and small.tiles == 8
+    assert small.split_kv == plan.split_count(sms=132, programs=8, max_steps=32768 // 64, kernel_options={})
+    assert [c.block_n for c in small.configs] == [plan.LATENCY_BLOCK_N]
+    assert not small.fused_merge
+    assert plan.plan_decode(plan.DecodeInputs(**base)) == small
+    big = plan.plan_decode(plan.DecodeInputs(**{**base, "batch": 32, "q_heads": 32 * 4, "gqa_group": 4}))
+    assert big.split_kv == 1 and big.fused_merge and big.configs == (decode_configs.STREAM_CONFIG,)
+    pinned = plan.plan_decode(plan.DecodeInputs(**{**base, "kernel_options": {"SPLIT_KV": 3, "LIST_CHUNK": 4}}))
+    assert pinned.split_kv == 3 and pinned.list_chunk == 4
+    # A BlockMask call: shares take whole blocks, at most the index rows' width.
+    listed = plan.plan_decode(plan.DecodeInputs(**{**base, "dense_kv": False, "row_width": 5}))
+    assert listed.split_kv <= 5
+
+
+def test_decode_configs_fit_shared_memory():
+    """A latency-widened D=256 step (128 keys, 3 stages: 384 KiB) is stepped down to fit."""
+    base = dict(batch=1, q_heads=8, q_len=1, kv_len=8192, gqa_group=1, qk_dim_pad=256, v_dim_pad=256,
+                dtype=torch.bfloat16, generation="sm90", sms=132, smem_limit=227 * 1024, sparse_q=128,
+                sparse_kv=128, mask_varies_over_heads=False, dense_kv=True, row_width=None, max_autotune=True)
+    planned = plan.plan_decode(plan.DecodeInputs(**base))
+    assert planned.configs
+    for cfg in planned.configs:
+        assert decode_configs.shared_memory_estimate(cfg, planned.packing.block_m, 256, 256, 2) <= 227 * 1024
