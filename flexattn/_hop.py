@@ -35,12 +35,11 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from . import _compat
-from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode
+from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode, pytree
 
 # Positions inside the block-mask tuple.
 BM_Q_LEN, BM_KV_LEN = 0, 1
