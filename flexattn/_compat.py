@@ -1,10 +1,50 @@
-"""Every torch-internal API flexattn relies on, in one place.
+"""The torch and Triton internals flexattn uses outside its lowering, in one place.
 
-flexattn supports torch 2.11 (the GPU image) and torch 2.13 (CI). The private APIs it
-uses move between releases; each one is imported or wrapped here, so a version bump is
-one file to fix and the rest of the package reads as if the API were public.
+flexattn supports torch 2.11 (the GPU image) and torch 2.13 (CI). Private APIs move
+between releases, so a module of flexattn outside ``lowering/`` reaches them only
+through the names here; a version bump is then one file to fix.
 
-Sections: HOP and tracing utilities, Dynamo internals, Inductor/Triton plumbing.
+What counts as private: a dotted name under ``torch`` or ``triton`` with a component that
+starts with an underscore (``torch._C``, ``torch.utils._pytree``, ``triton._C``; dunders
+such as ``torch.__version__`` are public), and anything under ``torch.fx.experimental``.
+``tests/test_compat_lint.py`` enforces the rule over every module of ``flexattn/``
+except this one and ``lowering/``, listing each offending ``file:line``, and checks that
+every name exported here is used. Nothing is whitelisted: where torch has a public
+spelling flexattn uses it (``torch.compiler.reset``, ``torch.compiler.is_compiling``).
+
+Not yet routed: ``_hop.py`` still calls the dispatch-key guards directly
+(``torch._C._AutoDispatchBelowAutograd``, ``torch._C._ExcludeDispatchKeyGuard``,
+``torch._C.DispatchKeySet``); ``below_autograd`` and ``exclude_dispatch_key`` are their
+replacements. The lint lists them as pending and fails once they are gone, so that the
+exception is removed with them.
+
+What the lint cannot see: internals reached through objects torch hands to flexattn
+rather than through a module path. These come with the names exported here and have the
+same spelling in 2.11 and 2.13 (``tests/test_capture.py`` and ``tests/test_reference.py``
+exercise them):
+
+* ``HigherOrderOperator``: ``py_impl``, ``py_functionalize_impl``, ``_name``; the
+  functionalization context's ``unwrap_tensors``, ``wrap_tensors``, ``functionalize``,
+  ``redispatch_to_next``;
+* ``ProxyTorchDispatchMode.tracer``: ``root``, ``unwrap_proxy``, ``create_proxy``;
+* Dynamo (``_dynamo_capture.py``): the ``_call_function`` hook and ``value`` of
+  ``TorchHigherOrderOperatorVariable``; ``tx.output.install_subgraph``, ``nn_modules``
+  and ``create_proxy``; ``VariableTracker.call_method``, ``as_python_constant``,
+  ``evaluate_expr`` and ``proxy``; the ``items`` of tuple and dict variables and a dict
+  key's ``vt``.
+
+The lowering (``lowering/``, with the Triton templates it renders) is exempt: it is
+Inductor plugin code, written against ``torch._inductor`` throughout. The last two
+sections here hold the pieces of it that differ between torch versions or need a shim
+under Triton's interpreter.
+
+Version differences handled here: ``autotune_select_node`` (2.13 returns ``(node,
+choice)``, 2.11 the node), ``share_template_workspace`` (2.11 sizes the benchmark
+workspace in bytes of ``count``), ``float32_matmul_allows_tf32`` (the ``fp32_precision``
+setting where it exists). Every other name has the same spelling in both versions.
+
+Sections: HOP and tracing utilities, Dynamo internals, Inductor/Triton plumbing,
+lowering shims, template workspaces.
 """
 
 from __future__ import annotations
@@ -29,6 +69,15 @@ from torch.fx.experimental.proxy_tensor import (  # noqa: E402
     track_tensor_tree,
 )
 from torch._dispatch.python import suspend_functionalization  # noqa: E402
+import torch.utils._pytree as _pytree  # noqa: E402
+
+#: The three pytree functions flexattn uses (``torch.utils._pytree`` has no public
+#: counterpart in 2.11 or 2.13); a namespace, so that a new use must be added here.
+pytree = types.SimpleNamespace(
+    tree_map=_pytree.tree_map,
+    register_pytree_node=_pytree.register_pytree_node,
+    GetAttrKey=_pytree.GetAttrKey,
+)
 
 
 def reenter_make_fx(fn):
@@ -56,6 +105,17 @@ def reenable_autograd():
     exclude = torch._C._dispatch_tls_local_exclude_set()
     exclude = exclude.remove(DispatchKey.AutogradFunctionality).remove(DispatchKey.ADInplaceOrView)
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def below_autograd():
+    """Redispatch below the Autograd key for a block (``_AutoDispatchBelowAutograd``): a
+    HOP's autograd rule calls the operator again inside it to reach the next key."""
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+def exclude_dispatch_key(key: DispatchKey):
+    """Exclude one dispatch key for a block (an autocast rule redispatches past its key)."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key))
 
 
 def hop_init_kwargs() -> dict[str, Any]:
@@ -108,7 +168,7 @@ def build_variable(tx, value, source=None):
 # --------------------------------------------------------------------------------------
 # Inductor / Triton plumbing
 # --------------------------------------------------------------------------------------
-INTERPRETER_BACKEND_TAG = "flexattn-triton-interpreter"
+_INTERPRETER_BACKEND_TAG = "flexattn-triton-interpreter"
 
 
 def triton_interpreter_requested() -> bool:
@@ -127,8 +187,8 @@ def enable_triton_interpreter() -> None:
     """
     import torch.utils._triton as triton_utils
 
-    triton_utils.triton_hash_with_backend = lambda: INTERPRETER_BACKEND_TAG
-    triton_utils.triton_backend = lambda: INTERPRETER_BACKEND_TAG
+    triton_utils.triton_hash_with_backend = lambda: _INTERPRETER_BACKEND_TAG
+    triton_utils.triton_backend = lambda: _INTERPRETER_BACKEND_TAG
     from triton.runtime.interpreter import InterpreterBuilder
 
     if not hasattr(InterpreterBuilder, "create_descriptor_reduce"):
@@ -154,26 +214,35 @@ def inductor_cpu_backend() -> str:
     return inductor_config.cpu_backend
 
 
+#: Every public name of this module, those of the sections below included.
 __all__ = [
     "DispatchKey",
     "FakeTensorMode",
     "HigherOrderOperator",
     "ProxyTorchDispatchMode",
+    "autotune_select_node",
+    "below_autograd",
     "build_variable",
     "disable_functional_mode",
     "disable_proxy_modes_tracing",
     "dynamo_hop_support",
     "enable_triton_interpreter",
+    "exclude_dispatch_key",
+    "float32_matmul_allows_tf32",
+    "graph_zeroed_workspace",
     "hop_init_kwargs",
     "inductor_cpu_backend",
     "make_fx",
+    "pytree",
     "reenable_autograd",
     "reenter_make_fx",
+    "share_template_workspace",
     "suspend_functionalization",
     "track_tensor_tree",
     "triton_interpreter_requested",
     "unique_graph_name",
     "unlimited_recompiles",
+    "use_interpreter_libdevice",
 ]
 
 # --------------------------------------------------------------------------------------

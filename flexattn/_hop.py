@@ -35,11 +35,10 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _compat
-from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode
+from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode, pytree
 from ._mask_tuple import BlockMaskView
 from .reference import IndexWithTensors, dense_math
 
@@ -323,7 +322,7 @@ class FlexAttentionAutogradOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
                 mask_mod_buffers, *score_mod_buffers):
-        with torch._C._AutoDispatchBelowAutograd():
+        with _compat.below_autograd():
             out, lse, max_scores = flex_attention_hop(
                 query, key, value, fw_graph, block_mask, scale, kernel_options,
                 score_mod_buffers, mask_mod_buffers,
@@ -370,7 +369,7 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
         _grad_capable(t) for t in (query, key, value, *score_mod_buffers)
     )
     if not needs_grad:
-        with torch._C._AutoDispatchBelowAutograd():
+        with _compat.below_autograd():
             return flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
                                       score_mod_buffers, mask_mod_buffers)
     if BlockMaskView(*block_mask).q_indices is None:
@@ -392,7 +391,7 @@ def _autocast(device_type: str, key: DispatchKey):
         dtype = torch.get_autocast_dtype(device_type)
         if query.is_floating_point() and query.dtype != torch.float64:
             query, key_, value = (t.to(dtype) for t in (query, key_, value))
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+        with _compat.exclude_dispatch_key(key):
             return flex_attention_hop(query, key_, value, score_mod, block_mask, scale, kernel_options,
                                       score_mod_buffers, mask_mod_buffers)
 
@@ -511,5 +510,5 @@ def _functionalize_flex_attention_backward(ctx, query, key, value, out, logsumex
 def _autograd_flex_attention_backward(*args):
     """Gradients of gradients are not supported: the backward runs below autograd, so
     its results carry no graph and a second-order request fails as for any constant."""
-    with torch._C._AutoDispatchBelowAutograd():
+    with _compat.below_autograd():
         return flex_attention_backward_hop(*args)

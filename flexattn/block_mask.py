@@ -53,9 +53,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
+from ._compat import pytree
 from .reference import IndexWithTensors, kv_block_columns, listed_grid, vmap_over_bhmn
 
 __all__ = [

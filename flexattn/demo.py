@@ -85,7 +85,7 @@ def main(argv=None) -> None:
         # Each variant starts from fresh Dynamo caches, as a separate model would: after
         # recompiles Dynamo turns closed-over floats into inputs, which torch's own flex
         # does not lower on the CPU.
-        torch._dynamo.reset()
+        torch.compiler.reset()
         ours = torch.compile(flexattn.flex_attention, fullgraph=True)
         theirs = torch.compile(torch_flex.flex_attention, fullgraph=True)
         q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype) for _ in range(3))

@@ -76,8 +76,8 @@ def _values_checked(validate: bool) -> bool:
 #:   D)`` tensor; a page holds its tokens' keys (values) for every head in one ``page_size
 #:   * Hkv * D`` run, so a sequence touches ``pages`` places, Hkv times fewer (fewer
 #:   address-translation entries when its pages lie scattered over a large pool); each
-#:   key row is still D contiguous elements, read at a stride of Hkv rows (0.4-2.2%
-#:   behind a contiguous cache at B=1 and 8 on an H200, bench/README.md, session 14).
+#:   key row is still D contiguous elements, read at a stride of Hkv rows (what each
+#:   layout costs against a contiguous cache: bench/DECISIONS.md#paged-pool-layouts).
 #: * ``"pages"``: page-major, heads within a page (FlashInfer's "HND" paged layout): memory
 #:   ``(n_pages, Hkv, page_size, D)``, a page holding every head's keys (values) of its
 #:   tokens, each head's ``page_size * D`` contiguous; a sequence touches ``pages`` places
