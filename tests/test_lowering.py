@@ -297,6 +297,6 @@ def test_config_filter():
     fitted = cfgs.usable_configs([big], {}, sparse_q=32, sparse_kv=64, qk_dim_pad=64, v_dim_pad=64,
                                  elem_bytes=2, smem_limit=None)
     assert fitted == [cfgs.ForwardConfig(32, 64, 8, 4)]
-    with pytest.raises(cfgs.ConfigError):
+    with pytest.raises(config_base.ConfigError):
         cfgs.usable_configs([big], {"BLOCK_M": 256}, sparse_q=128, sparse_kv=128, qk_dim_pad=64,
                             v_dim_pad=64, elem_bytes=2, smem_limit=None)
