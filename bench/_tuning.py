@@ -1,9 +1,13 @@
-"""Shared setup of the tile-sweep scripts (tune_forward / tune_backward / tune_decode)."""
+"""Shared setup of the GPU tools tune.py and profiler.py (and the experiments): Dynamo
+settings for many pinned compiles, the ``--grid`` product, and a parser for tools whose
+options depend on ``--kernel``."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+from typing import Any, Sequence
 
 import torch
 
@@ -25,3 +29,36 @@ def grid_settings(grid_json: str) -> list[dict]:
     values) as one kernel_options dict; [{}] for an empty grid."""
     grid = json.loads(grid_json)
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+class KernelParser:
+    """An argparse parser with a required ``--kernel`` whose other options each apply to
+    some of the kernels, with a default per kernel. Giving an option that the chosen
+    kernel does not read is an error, so that no option is silently ignored."""
+
+    def __init__(self, description: str, kernels: Sequence[str]):
+        self.parser = argparse.ArgumentParser(description=description,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.parser.add_argument("--kernel", required=True, choices=kernels)
+        self.defaults: dict[str, dict[str, Any]] = {kernel: {} for kernel in kernels}
+
+    def add(self, flag: str, defaults: dict[str, Any], help: str, **kwargs) -> None:
+        """``--flag`` for the kernels in ``defaults`` (kernel -> its default value)."""
+        dest = flag.lstrip("-").replace("-", "_")
+        for kernel, value in defaults.items():
+            self.defaults[kernel][dest] = value
+        shown = ", ".join(f"{kernel}: {value!r}" for kernel, value in defaults.items())
+        self.parser.add_argument(flag, default=None, help=f"{help} [{shown}]", **kwargs)
+
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        args = self.parser.parse_args(argv)
+        own = self.defaults[args.kernel]
+        for dest, value in vars(args).items():
+            if dest == "kernel":
+                continue
+            if dest not in own:
+                if value is not None:
+                    self.parser.error(f"--{dest.replace('_', '-')} does not apply to --kernel {args.kernel}")
+            elif value is None:
+                setattr(args, dest, own[dest])
+        return args

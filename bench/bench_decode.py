@@ -1,4 +1,4 @@
-"""Benchmark: decoding, one new query token against a long KV cache (issue 6's suite).
+"""Benchmark: decoding, one new query token against a long KV cache.
 
 Cases: batch B in {1, 8, 32} x KV length in {2k, 8k, 32k, 128k}, 32 query heads on 8
 KV heads (GQA), D=128, bf16, query length 1 at position S-1; each with no mask and with
@@ -37,7 +37,7 @@ fewer; ``--warm-only`` skips the cold timings and their columns). For the compar
 at a few microseconds). Every compile is static (``dynamic=False``): taken in turn, the
 implementations call one function with different shapes (a pool is longer than the
 contiguous cache), and Dynamo's automatic dynamic shapes would time a symbolic-shape
-recompile of all but the first (it made the page-major pool read 2-4x slower).
+recompile of all but the first (bench/DECISIONS.md, bench-static-shapes).
 
 Ratios per case (> 1 means flexattn is faster): flexattn / torch_flex (warm), flexattn /
 sdpa, warm and cold; paged / contiguous, warm and cold: the time of flexattn_paged over

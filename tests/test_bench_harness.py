@@ -1,13 +1,17 @@
-"""The benchmark harness itself (bench/bench_attention.py, bench/plot.py), on the CPU.
+"""The benchmark harness itself (bench/bench_attention.py, bench/plot.py, bench/report.py,
+the options of bench/tune.py and bench/profiler.py, bench/DECISIONS.md's citations), on
+the CPU.
 
 Runs the harness's --dry-run in-process (tiny shapes, float32, eager compile backend)
 into a temporary folder and checks the JSON and markdown it writes, the recording of a
-failing implementation, merging of result files and the plot.
+failing implementation, merging of result files and the plot; checks that README.md's
+performance section is what bench/report.py generates from bench/results.
 """
 
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -171,3 +175,62 @@ def test_plot_writes_a_png(dry_run, tmp_path):
     plot = _load("plot")
     png = plot.main([str(out / "latest.json"), "-o", str(tmp_path / "chart.png")])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_performance_section_is_generated():
+    report = _load("report")
+    readme = (BENCH.parent / "README.md").read_text()
+    assert report.current_section(readme) == report.render(), \
+        "README.md's performance section is not what bench/report.py writes: run python bench/report.py"
+
+
+def test_report_takes_the_newest_suite_file_per_gpu(dry_run, tmp_path):
+    report = _load("report")
+    out, _ = dry_run
+    stem = next(p.stem for p in out.glob("attention-cpu-*.json"))
+    older = json.loads((out / f"{stem}.json").read_text())
+    older["results"] = [dict(r, tflops=1.0) for r in older["results"]]
+    (tmp_path / "attention-cpu-20000101-000000.json").write_text(json.dumps(older))
+    (tmp_path / f"{stem}.json").write_text((out / f"{stem}.json").read_text())
+    (tmp_path / f"{stem}-part1of2.json").write_text(json.dumps(older))
+    section = report.render(tmp_path)
+    assert f"`{stem}.json`" in section and "20000101" not in section and "part1of2" not in section
+    assert "| `causal_s8192_d128` |" in section and "Decoding" not in section
+    readme = f"intro\n{report.START}\nold\n{report.END}\nrest\n"
+    updated = report.with_section(readme, section)
+    assert report.current_section(updated) == section and updated.endswith(f"{report.END}\nrest\n")
+
+
+def test_decisions_cite_recorded_results():
+    """Every bench/results file that bench/DECISIONS.md cites (``X.{json,md}`` meaning
+    both) exists."""
+    text = (BENCH / "DECISIONS.md").read_text()
+    cited = set()
+    for name in re.findall(r"`([a-z0-9-]+\.(?:json|md|png|log|\{[a-z,]+\}))`", text):
+        stem, _, suffix = name.partition(".")
+        cited |= {f"{stem}.{ext}" for ext in suffix.strip("{}").split(",")}
+    assert cited and not cited - {p.name for p in (BENCH / "results").iterdir()}
+
+
+def test_tune_and_profiler_options_depend_on_the_kernel(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    tune = _load("tune")
+    args = tune.parse_args(["--kernel", "backward", "--exhaustive", "--kv-heads", "4"])
+    assert (args.seq, args.cases, args.tokens, args.exhaustive, args.kv_heads, args.top) == (4096, "causal", 16384,
+                                                                                             True, 4, 3)
+    assert (tune.parse_args(["--kernel", "forward"]).seq, tune.parse_args(["--kernel", "decode"]).top) == (8192, 4)
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--kernel", "decode", "--seq", "4096"])
+    configs = tune.attention_configs(tune.parse_args(["--kernel", "backward", "--configs", "64/64/64/64w8s2",
+                                                      "--dq-atomic", "on"]), 128)
+    assert configs == [("64/64/64/64 w8 s2", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                                              "bwd_BLOCK_N2": 64, "bwd_num_warps": 8, "bwd_num_stages": 2,
+                                              "DQ_ATOMIC": True})]
+    assert tune.attention_configs(tune.parse_args(["--kernel", "forward", "--configs", "128x64w4s2"]), 128) == [
+        ("128x64 w4 s2", {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2})]
+    profiler = _load("profiler")
+    args = profiler.parse_args(["--kernel", "decode", "--options", "{}", "--options", '{"FUSED_MERGE": true}'])
+    assert args.options == ["{}", '{"FUSED_MERGE": true}'] and args.page_size == 128 and args.cases is None
+    assert profiler.parse_args(["--kernel", "attention"]).mode == "fwdbwd"
+    with pytest.raises(SystemExit):
+        profiler.parse_args(["--kernel", "attention", "--paged"])

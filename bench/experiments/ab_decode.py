@@ -1,15 +1,17 @@
 """A/B timing of decode kernel_options variants beside SDPA, round-robin.
 
-    python bench/ab_decode.py --cases 32x8192,32x32768 \
+    python bench/experiments/ab_decode.py --cases 32x8192,32x32768 \
         --variants '{"default": {}, "wide": {"BLOCK_N": 128, "num_stages": 2}}' [--rounds 5]
 
 One query token at position S-1 against a KV cache of S tokens (case ``BxS``), 32 query
 heads on 8 KV heads, D=128, bf16, no mask (flex_attention's default mask). Each variant is
-``torch.compile(flexattn.flex_attention)`` with its kernel_options. tune_decode.py times each
-configuration once, so two readings a few tenths of a percent apart say little; here every
-variant and SDPA are timed ``--rounds`` times in turn (CUDA-graph replay) and the table
-gives the median and the spread (max - min over the rounds, in % of the median), and each
-variant's SDPA time over its own (> 1: flexattn faster).
+``torch.compile(flexattn.flex_attention)`` with its kernel_options. ``bench/tune.py
+--kernel decode`` times each configuration once, so two readings a few tenths of a percent
+apart say little; here every variant and SDPA are timed ``--rounds`` times in turn
+(CUDA-graph replay) and the table gives the median and the spread (max - min over the
+rounds, in % of the median), and each variant's SDPA time over its own (> 1: flexattn
+faster). ``--read-roof`` adds ``read``, a kernel that only streams the same K and V bytes,
+and each variant's fraction of its speed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +29,9 @@ import triton.language as tl
 import triton.testing
 
 import flexattn
-from _tuning import allow_recompiles
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench/, for its shared helpers
+from _tuning import allow_recompiles  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 #: (programs per SM, elements per load, num_warps) of the read-roof kernel tried.

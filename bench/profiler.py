@@ -1,10 +1,12 @@
-"""Where the time goes: per-kernel GPU time and the compile's phases, flexattn beside torch flex.
+"""Where the time goes: per-kernel GPU time, flexattn beside torch flex or SDPA.
 
-    python bench/profile_case.py [--cases no_mask_s8192_d128,causal_s8192_d128] [--mode fwdbwd]
-                                 [--impls flexattn,torch_flex] [--compile-profile]
+    python bench/profiler.py --kernel attention [--cases no_mask_s8192_d128,causal_s8192_d128] [--mode fwdbwd]
+                             [--impls flexattn,torch_flex] [--compile-profile] [--trace DIR]
+    python bench/profiler.py --kernel decode [--batches 1,8] [--kv 8192,32768] [--options '{"FUSED_MERGE": true}']
+    python bench/profiler.py --kernel decode --batches 8 --kv 8192 --window 1024 --paged [--pool-layouts heads,pages]
 
-For each case of bench_attention's suite (same shapes, masks and inputs) and each flex
-implementation it prints
+attention: for each case of bench_attention's suite (same shapes, masks and inputs) and
+each flex implementation it prints
 
 * the first call's wall time (fresh Inductor/Triton caches, after one throwaway compile
   per library, as the benchmark does) and, with ``--compile-profile``, the functions
@@ -16,21 +18,43 @@ implementation it prints
   whose difference from the kernels' sum is idle GPU time, and the synchronizing CUDA
   calls of one call (torch.cuda.set_sync_debug_mode).
 
-Nothing is written to bench/results: this is a diagnosis tool beside the benchmark.
+decode: one query token at position S-1 against S cached tokens, 32 query heads on 8 KV
+heads, D=128, bf16, no mask or ``--window`` (bench_decode.py's cases, built by its
+functions). For each (B, S) it prints, for flexattn (default kernel_options, and each
+``--options`` set), for flexattn on a paged cache with ``--paged`` (bench_decode's pages
+in shuffled order, one row per ``--pool-layouts`` layout; the same kernel_options sets)
+and, without a window, for SDPA with enable_gqa: the CUDA-graph replay time (as
+bench_decode reports it) and every kernel of one call from torch.profiler: name,
+microseconds and launches, so that the split-KV pass, the merge pass and SDPA's own
+kernels (their names say which backend SDPA picked) can be compared one by one.
+
+A diagnosis tool beside the benchmarks; nothing is written to bench/results. (Not named
+profile.py: run from bench/, that name would shadow the standard library's profile
+module, which cProfile, and so torch, imports.)
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import collections
+import itertools
+import json
 import pstats
 import time
 
 import torch
+import torch.nn.functional as F
+import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 import bench_attention as ba
+import flexattn
+from _tuning import KernelParser, allow_recompiles
+from bench_decode import Case, paged_inputs, window_mask
+
+KERNELS = ("attention", "decode")
+#: The decode cases' query heads, KV heads and head dim.
+HQ, HKV, D = 32, 8, 128
 
 PROFILED_CALLS = 5
 #: Python frames shown for each synchronizing call.
@@ -84,8 +108,6 @@ def kernel_table(step, grads, trace: str = "") -> list[tuple[str, float, int]]:
 def _timings(step, grads) -> dict[str, float]:
     """ms per call three ways: do_bench's median (L2 flushed, as the benchmark times),
     the mean of back-to-back calls between two events, and the span the profiler saw."""
-    import triton.testing
-
     median = triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=grads, return_mode="median")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     calls = 10
@@ -129,14 +151,8 @@ def _synchronizations(step, grads) -> list[str]:
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cases", default="no_mask_s8192_d128,causal_s8192_d128")
-    parser.add_argument("--mode", choices=ba.MODES, default="fwdbwd")
-    parser.add_argument("--impls", default="flexattn,torch_flex")
-    parser.add_argument("--compile-profile", action="store_true")
-    parser.add_argument("--trace", default="", help="folder for one chrome trace per (case, impl)")
-    args = parser.parse_args()
+def profile_attention(args) -> list[str]:
+    """The attention report (see the module docstring); returns the summary table's lines."""
     suite = {case.name: case for case in ba.full_suite() + ba.quick_suite()}
     ba._fresh_compile_caches()
     settings = ba.Settings(device=torch.device("cuda"), dtype=torch.bfloat16, compile_backend="inductor",
@@ -174,9 +190,70 @@ def main() -> None:
             summary.append(f"| {name} | {impl} | {first:.2f} | {total:.1f} | {times['do_bench'] * 1e3:.1f} | "
                            f"{times['back_to_back'] * 1e3:.1f} | {len(syncs)} | "
                            + "; ".join(f"{kernel[:40]} {us:.0f}" for kernel, us, _ in rows[:4]) + " |")
-    print("\n| case | impl | first call s | kernel us per call | do_bench us | back-to-back us | syncs "
-          "| top kernels (us) |\n|---|---|---|---|---|---|---|---|")
-    print("\n".join(summary))
+    return ["| case | impl | first call s | kernel us per call | do_bench us | back-to-back us | syncs "
+            "| top kernels (us) |", "|---|---|---|---|---|---|---|---|", *summary]
+
+
+def profile_decode(args) -> list[str]:
+    """The decode report (see the module docstring); returns the summary table's lines."""
+    allow_recompiles()
+    ours = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
+    variants = [("flexattn", {})] + [(f"flexattn {text}", json.loads(text)) for text in args.options]
+    summary = []
+    for B, S in itertools.product((int(b) for b in args.batches.split(",")), (int(s) for s in args.kv.split(","))):
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        case = Case(B, HQ, HKV, S, D, args.window)
+        mask = None if args.window is None else flexattn.create_block_mask(
+            window_mask(S - 1, args.window), None, None, 1, S, device="cuda")
+        calls = [(name, lambda opts=opts: ours(q, k, v, block_mask=mask, kernel_options=opts, enable_gqa=True))
+                 for name, opts in variants]
+        for layout in args.pool_layouts.split(",") if args.paged else []:
+            k_pool, v_pool, paged_mask = paged_inputs(case, k, v, args.page_size, layout)
+            calls += [(name.replace("flexattn", f"flexattn paged {layout}", 1),
+                       lambda opts=opts, k_pool=k_pool, v_pool=v_pool, paged_mask=paged_mask: ours(
+                           q, k_pool, v_pool, block_mask=paged_mask, kernel_options=opts, enable_gqa=True))
+                      for name, opts in variants]
+        if args.window is None:
+            calls.append(("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
+        for name, call in calls:
+            call()
+            graph_us = 1e3 * triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
+            rows = kernel_table(call, [])
+            print(f"===== B={B} S={S} {name}: CUDA graph {graph_us:.1f} us; kernels per call "
+                  f"(over {PROFILED_CALLS} calls):", flush=True)
+            for kernel, us, launches in rows:
+                print(f"  {us:8.1f} us  x{launches}  {kernel[:120]}")
+            summary.append(f"| {B} | {S} | {name} | {graph_us:.1f} | "
+                           + "; ".join(f"{kernel[:48]} {us:.1f}" for kernel, us, _ in rows[:3]) + " |")
+    return ["| B | KV | impl | CUDA-graph us | kernels (us) |", "|---|---|---|---|---|", *summary]
+
+
+def parse_args(argv=None):
+    parser = KernelParser(__doc__, KERNELS)
+    parser.add("--cases", {"attention": "no_mask_s8192_d128,causal_s8192_d128"},
+               "comma list of bench_attention case names (bench_attention.py --list)")
+    parser.add("--mode", {"attention": "fwdbwd"}, "fwd or fwdbwd", choices=ba.MODES)
+    parser.add("--impls", {"attention": "flexattn,torch_flex"}, "comma list of flexattn, torch_flex")
+    parser.add("--compile-profile", {"attention": False}, "cProfile of the first (compiling) call",
+               action="store_true")
+    parser.add("--trace", {"attention": ""}, "folder for one chrome trace per (case, impl)")
+    parser.add("--batches", {"decode": "1,8"}, "comma list of batch sizes")
+    parser.add("--kv", {"decode": "8192,32768"}, "comma list of KV cache lengths")
+    parser.add("--options", {"decode": []}, "JSON kernel_options for one more flexattn row (repeatable)",
+               action="append")
+    parser.add("--window", {"decode": None}, "sliding window of this many keys", type=int)
+    parser.add("--paged", {"decode": False}, "also flexattn on a paged KV cache", action="store_true")
+    parser.add("--page-size", {"decode": 128}, "tokens per page of the paged cache", type=int)
+    parser.add("--pool-layouts", {"decode": "heads"},
+               "comma list of PagedKVCache layouts of the paged rows (heads, tokens, pages)")
+    return parser.parse(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    lines = profile_decode(args) if args.kernel == "decode" else profile_attention(args)
+    print("\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ written in plain Triton, beside the same forward without it, on a bare attention
   of zeros before the first tile and one Q.K^T of the clamped last tile after it, and P
   carried to the next iteration, which Triton keeps in shared memory.
 
-    python bench/probe_pipelined_qk.py            # GPU: TFLOP/s of both beside SDPA cuDNN
-    PYTHONPATH=<triton 3.6> python bench/probe_pipelined_qk.py --aot OUT_DIR
-                                                  # no GPU: sm90 compile, registers, waits
+    python bench/experiments/probe_pipelined_qk.py        # GPU: TFLOP/s of both beside SDPA cuDNN
+    PYTHONPATH=<triton 3.6> python bench/experiments/probe_pipelined_qk.py --aot OUT_DIR
+                                                          # no GPU: sm90 compile, registers, waits
 
-The reading (H200, session 11) is in bench/README.md.
+The reading: bench/DECISIONS.md, rejected-pipelined-qk.
 """
 
 from __future__ import annotations
