@@ -16,7 +16,7 @@ forward's ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; the backward'
 ``bwd_BLOCK_M1`` ... ``bwd_num_stages``, the forward keeping its defaults), each under
 every combination of the ``--grid`` kernel_options, and torch's compiled flex_attention
 with its defaults, and prints the TFLOP/s of each and the best configurations. The
-DEFAULTS tables of flexattn/lowering/configs.py and backward_configs.py are chosen from
+tables of flexattn/lowering/configs/forward.py and configs/backward.py are chosen from
 these readings.
 
 decode: one query token at position S-1 against a KV cache of S tokens, 32 query heads on
@@ -24,8 +24,9 @@ decode: one query token at position S-1 against a KV cache of S tokens, 32 query
 gaps between the split and merge kernels count but Python overhead does not) SDPA with
 enable_gqa, flexattn's defaults with either merge, and flexattn with each (SPLIT_KV,
 BLOCK_N, num_warps, num_stages) pinned through kernel_options (each under every ``--grid``
-combination), and prints the best configurations. The decode DEFAULTS and split rule of
-flexattn/lowering/decode.py are chosen from these readings.
+combination), and prints the best configurations. The tables of
+flexattn/lowering/configs/decode.py and the split rule of flexattn/lowering/decode_plan.py
+are chosen from these readings.
 
 Where each default was measured, and with what readings: bench/DECISIONS.md.
 """

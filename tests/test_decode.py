@@ -698,7 +698,7 @@ def test_split_count():
     # With BlockMask lists a share takes whole blocks: at most one split per listed block.
     assert plan.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=5) == 5
     assert plan.split_count(sms=132, programs=8, max_steps=512, kernel_options={}, max_blocks=64) == 16
-    # Rows of any length follow the same rule (no long-row exception since session 14).
+    # Rows of any length follow the same rule (bench/DECISIONS.md#decode-long-row-rule).
     assert plan.split_count(sms=132, programs=64, max_steps=2048, kernel_options={}) == plan.MIN_SPLIT_KV
     assert plan.split_count(sms=132, programs=256, max_steps=2048, kernel_options={}) == 1
 
