@@ -12,7 +12,7 @@ BLOCK_MASK_FIELDS = (
     "q_block_size", "kv_block_size", "mask_mod",
 )
 #: The eight block tables, the tensor fields between the lengths and the block sizes.
-BLOCK_TABLE_FIELDS = BLOCK_MASK_FIELDS[2:10]
+BLOCK_TABLE_FIELDS = tuple(f for f in BLOCK_MASK_FIELDS if f.endswith(("_num_blocks", "_indices")))
 
 
 class BlockMaskView(NamedTuple("_BlockMaskFields", [(name, Any) for name in BLOCK_MASK_FIELDS])):

@@ -6,7 +6,7 @@ under autograd) in float64 (golden), the dense reference in the test dtype, and 
 public ``flexattn.flex_attention`` compiled with Inductor, whose backward is our Triton
 template (on CPU through the Triton interpreter). The compiled gradients pass when
 ``err(kernel, golden) <= 2 * err(reference, golden) + floor`` for q, k, v and every
-captured tensor that requires grad, with no NaN (tests/_numerics.py). Allocator memory
+captured tensor that requires grad, with no NaN (tests/_harness.py). Allocator memory
 is filled with NaN before the compiled run, so a gradient the kernel forgets to write
 shows up as NaN.
 
@@ -30,7 +30,7 @@ from flexattn.reference import dense_math
 from flexattn.api import AuxRequest
 from flexattn.block_mask import BlockMask, and_masks, create_block_mask, noop_mask
 
-from _numerics import assert_close_3way
+import _harness as harness
 from conftest import DEVICE
 
 flexattn.lowering.register()
@@ -39,13 +39,6 @@ _compat.use_interpreter_libdevice()
 ON_CUDA = DEVICE == "cuda"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
 BACKWARD_MARK = "def dkv_visit_q_blocks("  # our backward template's inner loop
-
-# Gradients of captured tensors are sums over many (q, kv) pairs. The kernel adds the
-# pairs' float32 contributions one atomic add at a time, in no fixed order; the reference
-# sums them as a tree (torch's reduction). A sequential float32 sum of n terms can be
-# O(n) eps off where the tree is O(log n), so these gradients get a wider factor.
-BUFFER_GRAD_RATIO = 8.0
-
 
 @pytest.fixture(autouse=True)
 def _fresh_compile_with_our_template():
@@ -64,26 +57,6 @@ def scaled(cpu: int, cuda: int) -> int:
 # --------------------------------------------------------------------------------------
 # Harness
 # --------------------------------------------------------------------------------------
-def _poison_allocator(nbytes: int) -> None:
-    junk = torch.full((max(nbytes // 4, 1),), float("nan"), device=DEVICE)
-    del junk
-
-
-def _randn(gen, *shape, dtype=torch.float32, requires_grad=False):
-    return torch.randn(*shape, generator=gen).to(DEVICE, dtype).requires_grad_(requires_grad)
-
-
-def _attention_grads(attend, q, k, v, buffers, grad_out, grad_lse):
-    """Gradients of <out, grad_out> (+ <lse, grad_lse>) wrt q, k, v and the buffers."""
-    out, lse = attend(q, k, v)
-    outputs, cotangents = [out], [grad_out]
-    if grad_lse is not None:
-        outputs.append(lse)
-        cotangents.append(grad_lse)
-    leaves = [q, k, v, *buffers]
-    return out, lse, torch.autograd.grad(outputs, leaves, cotangents)
-
-
 def run_case(
     *, dtype, B=2, Hq=2, Hkv=None, Bkv=None, L=64, S=64, E=32, Ev=None,
     make_mods=None, block_size=128, use_lse=False, options=None, seed=0,
@@ -99,55 +72,36 @@ def run_case(
     ``(score_mod, mask_mod)`` closing over them, so each run gets them in its dtype.
     """
     Hkv = Hkv or Hq
-    Bkv = Bkv or B
-    Ev = Ev or E
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    if make_inputs is not None:
-        q, k, v = make_inputs(gen)
-    else:
-        q = _randn(gen, B, Hq, L, E, dtype=dtype)
-        k = _randn(gen, Bkv, Hkv, S, E, dtype=dtype)
-        v = _randn(gen, Bkv, Hkv, S, Ev, dtype=dtype)
-    B, Hq, L, S, Ev = q.shape[0], q.shape[1], q.shape[2], k.shape[2], v.shape[3]
+    gen = harness.generator(seed)
+    q, k, v = harness.make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, Bkv=Bkv, L=L, S=S, E=E, Ev=Ev, dtype=dtype,
+                                  make=make_inputs)
+    Hq, L, S = q.shape[1], q.shape[2], k.shape[2]
     if make_mods is None:
         mods_of, buffers = (lambda bufs: (None, None)), []
     else:
         mods_of, buffers = make_mods(gen)
-    grad_out = _randn(gen, B, Hq, L, Ev, dtype=dtype)
-    grad_lse = _randn(gen, B, Hq, L) if use_lse else None
+    grad_out, grad_lse = harness.make_output_grads(gen, q, v, with_lse=use_lse)
+    q, k, v, *buffers = (t.requires_grad_(True) for t in (q, k, v, *buffers))
     if block_mask is None:
         mask_mod = mods_of(buffers)[1]
         block_mask = create_block_mask(mask_mod or noop_mask, None, None, L, S, device=DEVICE,
                                        BLOCK_SIZE=block_size)
     scale = q.shape[-1] ** -0.5
 
-    def reference(bufs):
+    def reference(q, k, v, grad_out, grad_lse, *bufs):
         score_mod = mods_of(bufs)[0] or (lambda s, b, h, qi, ki: s)
 
         def attend(q, k, v):
             out, lse, _ = dense_math(q, k, v, score_mod, block_mask.as_tuple(), scale, (), ())
             return out, lse
 
-        return attend
-
-    def leaf(t, to_dtype=None):
-        return t.detach().to(to_dtype or t.dtype).requires_grad_(True)
-
-    def three(to):
-        return [leaf(t, to) for t in (q, k, v)]
+        return harness.attention_grads(attend, (q, k, v), grad_out, grad_lse, captured=bufs)
 
     # Golden (float64) and same-dtype reference.
-    gq, gk, gv = three(torch.float64)
-    gbufs = [leaf(b, torch.float64) for b in buffers]
-    golden = _attention_grads(reference(gbufs), gq, gk, gv, gbufs,
-                              grad_out.double(), None if grad_lse is None else grad_lse.double())
-    rq, rk, rv = three(None)
-    rbufs = [leaf(b) for b in buffers]
-    ref = _attention_grads(reference(rbufs), rq, rk, rv, rbufs, grad_out, grad_lse)
+    golden, ref = harness.reference_runs(reference, (q, k, v, grad_out, grad_lse, *buffers))
 
     # Compiled, through the public API.
-    cq, ck, cv = three(None)
-    cbufs = [leaf(b) for b in buffers]
+    cq, ck, cv, *cbufs = harness.copies((q, k, v, *buffers))
     score_mod, _ = mods_of(cbufs)
 
     assert not default_mask or mods_of(buffers)[1] is None, "default_mask: no mask_mod"
@@ -159,19 +113,12 @@ def run_case(
         return out, aux.lse
 
     compiled = torch.compile(attend, backend="inductor", fullgraph=True)
-    _poison_allocator(8 * (q.numel() + 2 * k.numel() + v.numel()))
-    test = _attention_grads(compiled, cq, ck, cv, cbufs, grad_out, grad_lse)
+    harness.poison_allocator(8 * (q.numel() + 2 * k.numel() + v.numel()))
+    test = harness.attention_grads(compiled, (cq, ck, cv), grad_out, grad_lse, captured=cbufs)
 
     if check_out:
-        assert_close_3way("out", test[0], ref[0], golden[0], dtype)
-        assert_close_3way("lse", test[1], ref[1], golden[1], dtype)
-    names = ["grad_q", "grad_k", "grad_v"] + [f"grad_buffer{i}" for i in range(len(buffers))]
-    for name, t, r, g in zip(names, test[2], ref[2], golden[2]):
-        assert t.shape == g.shape and t.dtype == r.dtype, name
-        if name.startswith("grad_buffer"):
-            assert_close_3way(name, t, r, g, r.dtype, ratio=BUFFER_GRAD_RATIO)
-        else:
-            assert_close_3way(name, t, r, g, dtype)
+        harness.check_attention(test, ref, golden, dtype, max_scores=False)
+    harness.check_gradients(test[2], ref[2], golden[2], dtype)
     return test, golden
 
 
@@ -271,9 +218,9 @@ def test_non_contiguous_inputs():
     B, H, L, S, E = 2, 2, scaled(40, 600), scaled(56, 900), 32
 
     def make(gen):
-        q = torch.randn(B, L, H, E, generator=gen).to(DEVICE, torch.float16).transpose(1, 2)
-        k = torch.randn(B, H, S, 2 * E, generator=gen).to(DEVICE, torch.float16)[..., ::2]
-        v = torch.randn(S, B, H, E, generator=gen).to(DEVICE, torch.float16).permute(1, 2, 0, 3)
+        q = harness.randn(gen, B, L, H, E, dtype=torch.float16).transpose(1, 2)
+        k = harness.randn(gen, B, H, S, 2 * E, dtype=torch.float16)[..., ::2]
+        v = harness.randn(gen, S, B, H, E, dtype=torch.float16).permute(1, 2, 0, 3)
         return q, k, v
 
     run_case(dtype=torch.float16, make_inputs=make, make_mods=_no_buffers(None, mods.causal_mask),
@@ -293,9 +240,7 @@ def test_fully_masked_rows(dtype):
 
     test, golden = run_case(dtype=dtype, L=n, S=n, make_mods=_no_buffers(None, mask_mod), use_lse=True,
                             block_size=scaled(16, 128))
-    grad_q = test[2][0]
-    assert torch.all(grad_q[:, :, :dead] == 0)
-    assert torch.all(test[1][:, :, :dead] == float("-inf"))
+    harness.check_masked_rows(lambda t: t[:, :, :dead], lse=test[1], grads=(test[2][0],))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
@@ -309,7 +254,7 @@ def test_lse_only_loss():
     """A loss of the lse alone (zero output gradient): dS = P * dlse."""
     n = scaled(50, 500)
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (_randn(gen, 1, 2, n, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (harness.randn(gen, 1, 2, n, 16, requires_grad=True) for _ in range(3))
     bm = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=scaled(16, 128))
 
     def lse_of(q, k, v):
@@ -466,7 +411,7 @@ def test_dense_kv_only_for_the_default_mask(default_mask):
     to list every block in order)."""
     n = 48
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (_randn(gen, 1, 2, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    q, k, v = (harness.randn(gen, 1, 2, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
     bm = None if default_mask else create_block_mask(noop_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
 
     def step(q, k, v):
@@ -484,7 +429,7 @@ def test_dense_kv_only_for_the_default_mask(default_mask):
 def test_compiled_backward_uses_our_template():
     n = 32
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (_randn(gen, 1, 2, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    q, k, v = (harness.randn(gen, 1, 2, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
     bm = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
 
     def step(q, k, v):
@@ -500,7 +445,7 @@ def _backward_constexprs(E: int, options: dict, names: tuple[str, ...]) -> dict[
     """The values the compiled backward kernel gives to the constexprs ``names``."""
     n = 32
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (_randn(gen, 1, 2, n, E, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    q, k, v = (harness.randn(gen, 1, 2, n, E, dtype=torch.float16, requires_grad=True) for _ in range(3))
     bm = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
 
     def step(q, k, v):
@@ -570,7 +515,7 @@ def test_dq_atomic(case, dtype, use_tma):
 def test_dq_atomic_option_reaches_the_kernel(dq_atomic):
     n = 32
     gen = torch.Generator().manual_seed(4)
-    q, k, v = (_randn(gen, 1, 2, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    q, k, v = (harness.randn(gen, 1, 2, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
 
     def step(q, k, v):
         out = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, kernel_options={"DQ_ATOMIC": dq_atomic}),
@@ -598,7 +543,7 @@ def test_dq_atomic_contradicts_deterministic():
 def test_deterministic_gradients_are_bitwise_equal(how):
     n = scaled(32, 1000)
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (_randn(gen, 1, 4, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    q, k, v = (harness.randn(gen, 1, 4, n, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
     k2, v2 = k[:, :2].detach().requires_grad_(True), v[:, :2].detach().requires_grad_(True)
     bm = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=scaled(16, 128))
     options = {"DETERMINISTIC": True} if how == "kernel_option" else None
@@ -622,7 +567,7 @@ def test_deterministic_gradients_are_bitwise_equal(how):
 def test_deterministic_refuses_captured_gradients():
     n = 32
     gen = torch.Generator().manual_seed(2)
-    q, k, v = (_randn(gen, 1, 2, n, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (harness.randn(gen, 1, 2, n, 16, requires_grad=True) for _ in range(3))
     slopes = torch.rand(2, device=DEVICE, requires_grad=True)
 
     def attend(q, k, v):
@@ -640,9 +585,8 @@ def test_gradcheck_compiled_float64():
     """float64 gradcheck (fast mode) of the compiled path: q, k, v (GQA) and learnable
     ALiBi slopes, through the output and through the lse."""
     gen = torch.Generator().manual_seed(3)
-    q = _randn(gen, 1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
-    k = _randn(gen, 1, 1, 7, 4, dtype=torch.float64, requires_grad=True)
-    v = _randn(gen, 1, 1, 7, 3, dtype=torch.float64, requires_grad=True)
+    q, k, v = harness.make_inputs(gen, B=1, Hq=2, Hkv=1, L=5, S=7, E=4, Ev=3, dtype=torch.float64,
+                                  requires_grad=True)
     slopes = torch.rand(2, dtype=torch.float64, device=DEVICE, requires_grad=True)
     bm = create_block_mask(mods.causal_mask, None, None, 5, 7, device=DEVICE, BLOCK_SIZE=16)
 
@@ -662,7 +606,7 @@ def test_dense_cpu_path_training_step():
     """cpu_backend != "triton": the backward lowers to the dense decomposition."""
     n, H = 24, 2
     gen = torch.Generator().manual_seed(4)
-    q, k, v = (_randn(gen, 1, H, n, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (harness.randn(gen, 1, H, n, 16, requires_grad=True) for _ in range(3))
     table = torch.randn(H, 2 * n - 1, generator=gen).requires_grad_(True)
     bm = create_block_mask(mods.causal_mask, None, None, n, n, device="cpu", BLOCK_SIZE=16)
 

@@ -4,7 +4,7 @@ Every case runs the HOP three ways from the same fresh random inputs: the dense 
 in float64 (golden), the dense reference in the test dtype, and the compiled call (our
 Triton template; on CPU through the Triton interpreter). The compiled run passes when
 ``err(kernel, golden) <= 2 * err(reference, golden) + floor`` for the output, the
-log-sum-exp and (when requested) the row max, with no NaN (tests/_numerics.py).
+log-sum-exp and (when requested) the row max, with no NaN (tests/_harness.py).
 Allocator memory is filled with NaN before each compiled call, so a row the kernel
 forgets to write shows up as NaN.
 
@@ -22,10 +22,10 @@ import torch
 
 import flexattn.lowering
 from flexattn import mods
-from flexattn._hop import dense_flex_attention, flex_attention_hop
+from flexattn._hop import flex_attention_hop
 from flexattn.block_mask import and_masks, create_block_mask, noop_mask
 
-from _numerics import assert_attention_outputs_close
+import _harness as harness
 from conftest import DEVICE
 
 flexattn.lowering.register()
@@ -48,12 +48,6 @@ def scaled(cpu: int, cuda: int) -> int:
 # --------------------------------------------------------------------------------------
 # Harness
 # --------------------------------------------------------------------------------------
-def _poison_allocator(nbytes: int) -> None:
-    """Leave NaN in freed allocator memory so unwritten outputs read as NaN."""
-    junk = torch.full((max(nbytes // 4, 1),), float("nan"), device=DEVICE)
-    del junk
-
-
 def _compiled(score_mod, block_mask_tuple, scale, options):
     def fn(q, k, v):
         return flex_attention_hop(q, k, v, score_mod, block_mask_tuple, scale, options, (), ())
@@ -61,28 +55,16 @@ def _compiled(score_mod, block_mask_tuple, scale, options):
     return torch.compile(fn, backend="inductor", fullgraph=True)
 
 
-def _to_golden(x):
-    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
 def run_case(
     *, dtype, B=2, Hq=2, Hkv=None, Bkv=None, L=64, S=64, E=32, Ev=None,
     score_mod=None, mask_mod=None, block_size=128, options=None, make_inputs=None,
-    block_mask_tuple=None, seed=0, scale=None,
+    block_mask_tuple=None, seed=0, scale=None, ratio=None,
 ):
     """Build inputs, run golden / reference / compiled, check the 3-way bound (scale:
-    the softmax scale, 1/sqrt(E) by default)."""
-    Hkv = Hkv or Hq
-    Bkv = Bkv or B
-    Ev = Ev or E
+    the softmax scale, 1/sqrt(E) by default; ratio: the bound's factor, RATIO by default)."""
     options = {**DEFAULT_OPTIONS, **(options or {})}
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    if make_inputs is not None:
-        q, k, v = make_inputs(gen)
-    else:
-        q = torch.randn(B, Hq, L, E, generator=gen).to(DEVICE, dtype)
-        k = torch.randn(Bkv, Hkv, S, E, generator=gen).to(DEVICE, dtype)
-        v = torch.randn(Bkv, Hkv, S, Ev, generator=gen).to(DEVICE, dtype)
+    q, k, v = harness.make_inputs(seed, B=B, Hq=Hq, Hkv=Hkv, Bkv=Bkv, L=L, S=S, E=E, Ev=Ev, dtype=dtype,
+                                  make=make_inputs)
     L, S = q.shape[2], k.shape[2]
     score_mod = score_mod or (lambda score, b, h, q_idx, kv_idx: score)
     if block_mask_tuple is None:
@@ -91,27 +73,15 @@ def run_case(
         block_mask_tuple = bm.as_tuple()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
 
-    golden = dense_flex_attention(_to_golden(q), _to_golden(k), _to_golden(v), score_mod,
-                                  block_mask_tuple, scale, options, (), ())
-    ref = dense_flex_attention(q, k, v, score_mod, block_mask_tuple, scale, options, (), ())
-    _poison_allocator(4 * (q.numel() + v.numel() // v.shape[2] * L + 2 * q.numel() // q.shape[-1]))
+    golden, ref = harness.reference_runs(harness.dense_reference(score_mod, block_mask_tuple, scale, options),
+                                         (q, k, v))
+    harness.poison_allocator(4 * (q.numel() + v.numel() // v.shape[2] * L + 2 * q.numel() // q.shape[-1]))
     out = _compiled(score_mod, block_mask_tuple, scale, options)(q, k, v)
 
     assert out[0].shape == (q.shape[0], q.shape[1], L, v.shape[-1])
-    assert_attention_outputs_close(out, ref, golden, dtype, options)
+    harness.check_attention(out, ref, golden, dtype, lse=options["OUTPUT_LOGSUMEXP"],
+                            max_scores=options["OUTPUT_MAX"], ratio=ratio)
     return out, golden
-
-
-def run_case_with_ratio(ratio: float, **kwargs):
-    """run_case with a different bound factor (see the callers for why)."""
-    import _numerics
-
-    old = _numerics.RATIO
-    _numerics.RATIO = ratio
-    try:
-        return run_case(**kwargs)
-    finally:
-        _numerics.RATIO = old
 
 
 # --------------------------------------------------------------------------------------
@@ -186,10 +156,10 @@ def test_non_contiguous_inputs():
     B, H, L, S, E = 2, 3, scaled(60, 600), scaled(90, 900), 32
 
     def make(gen):
-        q = torch.randn(B, L, H, E, generator=gen).to(DEVICE, torch.float16).transpose(1, 2)
-        k_big = torch.randn(B, H, S, 2 * E, generator=gen).to(DEVICE, torch.float16)
+        q = harness.randn(gen, B, L, H, E, dtype=torch.float16).transpose(1, 2)
+        k_big = harness.randn(gen, B, H, S, 2 * E, dtype=torch.float16)
         k = k_big[..., ::2]  # last-dim stride 2
-        v = torch.randn(S, B, H, E, generator=gen).to(DEVICE, torch.float16).permute(1, 2, 0, 3)
+        v = harness.randn(gen, S, B, H, E, dtype=torch.float16).permute(1, 2, 0, 3)
         return q, k, v
 
     run_case(dtype=torch.float16, make_inputs=make, mask_mod=mods.causal_mask)
@@ -207,9 +177,7 @@ def test_fully_masked_rows(dtype):
         return (q_idx >= dead) & (kv_idx <= q_idx)
 
     out, golden = run_case(dtype=dtype, L=n, S=n, mask_mod=mask_mod)
-    assert torch.all(out[0][:, :, :dead] == 0)
-    assert torch.all(out[1][:, :, :dead] == float("-inf"))
-    assert torch.all(out[2][:, :, :dead] == float("-inf"))
+    harness.check_masked_rows(lambda t: t[:, :, :dead], out=out[0], lse=out[1], max_scores=out[2])
 
 
 def test_captured_tensors_indexed_by_every_index():
@@ -334,7 +302,7 @@ def test_float32_tf32_follows_matmul_precision():
         # Both runs use TF32 products (torch's matmul follows allow_tf32 too), but Triton
         # truncates fp32 operands to TF32 where cuBLAS rounds them, which roughly doubles
         # the error of each product: the bound here is 5x the reference's, not 2x.
-        run_case_with_ratio(5.0, dtype=torch.float32, L=512, S=512, mask_mod=mods.causal_mask)
+        run_case(ratio=5.0, dtype=torch.float32, L=512, S=512, mask_mod=mods.causal_mask)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 

@@ -12,13 +12,13 @@ from torch._inductor.utils import run_and_get_code
 import flexattn
 import flexattn.lowering
 from flexattn import mods
-from flexattn._hop import dense_flex_attention, flex_attention_hop
+from flexattn._hop import flex_attention_hop
 from flexattn.block_mask import create_block_mask, noop_mask
 from flexattn.lowering.configs import base as config_base
 from flexattn.lowering.configs import forward as cfgs
 
 from _generated_code import constexpr
-from _numerics import assert_close_3way
+import _harness as harness
 from conftest import DEVICE
 
 flexattn.lowering.register()
@@ -34,10 +34,7 @@ pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
 def compile_and_code(L=64, S=64, E=32, Ev=None, Hq=2, Hkv=2, score_mod=None, mask_mod=None,
                      options=None, block_size=128, dtype=torch.float16, block_mask_tuple=None, check=True):
-    Ev = Ev or E
-    q = torch.randn(2, Hq, L, E, device=DEVICE, dtype=dtype)
-    k = torch.randn(2, Hkv, S, E, device=DEVICE, dtype=dtype)
-    v = torch.randn(2, Hkv, S, Ev, device=DEVICE, dtype=dtype)
+    q, k, v = harness.make_inputs(0, B=2, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, dtype=dtype)
     score_mod = score_mod or (lambda s, b, h, qi, ki: s)
     if block_mask_tuple is None:
         block_mask_tuple = create_block_mask(mask_mod or noop_mask, None, None, L, S, device=DEVICE,
@@ -50,10 +47,9 @@ def compile_and_code(L=64, S=64, E=32, Ev=None, Hq=2, Hkv=2, score_mod=None, mas
     out, code = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), q, k, v)
     if not check:
         return "\n".join(code)
-    ref = dense_flex_attention(q, k, v, score_mod, block_mask_tuple, E ** -0.5, opts, (), ())
-    golden = dense_flex_attention(q.double(), k.double(), v.double(), score_mod, block_mask_tuple,
-                                  E ** -0.5, opts, (), ())
-    assert_close_3way("out", out[0], ref[0], golden[0], dtype)
+    golden, ref = harness.reference_runs(harness.dense_reference(score_mod, block_mask_tuple, E ** -0.5, opts),
+                                         (q, k, v))
+    harness.check_three_way("out", out[0], ref[0], golden[0], dtype)
     return "\n".join(code)
 
 

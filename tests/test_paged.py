@@ -2,7 +2,7 @@
 the pool against the dense reference on each sequence's contiguous (logical) cache, and
 per-step decoding under torch.compile without recompiles.
 
-Numerics as everywhere (tests/_numerics.py): golden = the float64 dense reference of
+Numerics as everywhere (tests/_harness.py): golden = the float64 dense reference of
 each sequence on its own contiguous cache, ref = the same in the test dtype, and the
 paged run must satisfy ``err(paged, golden) <= 2 * err(ref, golden) + floor``.
 
@@ -26,10 +26,9 @@ from torch._inductor.utils import run_and_get_code
 
 import flexattn
 from flexattn import PagedKVCache, mods
-from flexattn._hop import dense_flex_attention
 from flexattn.paged import POOL_LAYOUTS
 
-from _numerics import assert_close_3way
+import _harness as harness
 from conftest import DEVICE
 
 ON_CUDA = DEVICE == "cuda"
@@ -63,7 +62,7 @@ class Sequences:
     def __init__(self, cache: PagedKVCache, slots: list[int], lengths: list[int], Hkv: int, E: int,
                  dtype: torch.dtype, seed: int, chunk: int = 10):
         self.cache, self.slots, self.lengths = cache, slots, list(lengths)
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = harness.generator(seed)
         self.dtype, self.Hkv, self.E = dtype, Hkv, E
         self.k_cache, self.v_cache = cache.allocate(Hkv, E, dtype)
         # Poison the pool with a large finite value: a position that is visible but was
@@ -78,7 +77,7 @@ class Sequences:
                     self.write(i, start, min(n, start + chunk))
 
     def randn(self, n: int) -> torch.Tensor:
-        return torch.randn(1, self.Hkv, n, self.E, generator=self.gen).to(DEVICE, self.dtype)
+        return harness.randn(self.gen, 1, self.Hkv, n, self.E, dtype=self.dtype)
 
     def write(self, i: int, start: int, stop: int) -> None:
         slot = self.slots[i]
@@ -103,8 +102,9 @@ class Sequences:
         self.lengths[i] = n
         self.write(i, 0, n)
 
-    def reference(self, q, mask_mod, score_mod, dtype):
-        """Each sequence on its own contiguous cache: dense attention in ``dtype``."""
+    def reference(self, q, ks, vs, mask_mod, score_mod):
+        """Each sequence on its own contiguous cache (keys ``ks``, values ``vs``): dense
+        attention, (out, lse)."""
         outs, lses = [], []
         for i, n in enumerate(self.lengths):
             def mask_i(b, h, q_idx, kv_idx, i=i):
@@ -115,18 +115,17 @@ class Sequences:
 
             L = q.shape[2]
             bm = flexattn.create_block_mask(mask_i, 1, None, L, n, device=DEVICE, BLOCK_SIZE=16)
-            out, lse, _ = dense_flex_attention(
-                q[i:i + 1].to(dtype), self.k[i].to(dtype), self.v[i].to(dtype), score_i, bm.as_tuple(),
-                self.E ** -0.5, {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}, (), ())
+            options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
+            out, lse, _ = harness.dense_reference(score_i, bm.as_tuple(), self.E ** -0.5, options)(
+                q[i:i + 1], ks[i], vs[i])
             outs.append(out)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses)
 
     def check(self, name, q, out, lse, mask_mod, score_mod):
-        golden = self.reference(q, mask_mod, score_mod, torch.float64)
-        ref = self.reference(q, mask_mod, score_mod, self.dtype)
-        assert_close_3way(f"{name} out", out, ref[0], golden[0], self.dtype)
-        assert_close_3way(f"{name} lse", lse, ref[1], golden[1], self.dtype)
+        golden, ref = harness.reference_runs(
+            lambda q, ks, vs: self.reference(q, ks, vs, mask_mod, score_mod), (q, self.k, self.v))
+        harness.check_attention((out, lse), ref, golden, self.dtype, max_scores=False, prefix=f"{name} ")
 
 
 def paged_attention(cache, seqs, q, mask_mod, score_mod, *, q_block=16, options=None):
@@ -151,7 +150,7 @@ def make_case(group: int, L: int, *, Hkv=2, E=16, page=16, lengths=(36, 100, 70)
     cache.shuffle_free_pages(torch.Generator().manual_seed(seed))   # pages in no particular order
     seqs = Sequences(cache, [3, 0, 4][:len(lengths)], lengths, Hkv, E, dtype, seed)
     Hq = Hkv * group
-    q = torch.randn(len(lengths), Hq, L, E, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
+    q = harness.randn(harness.generator(seed + 1), len(lengths), Hq, L, E, dtype=dtype)
     seq_len = torch.tensor(lengths, device=DEVICE)
     mask_mod, score_mod = logical_mods(seq_len, L, Hq, window)
     return cache, seqs, q, mask_mod, score_mod
@@ -470,7 +469,7 @@ def test_logical_kv_length_bounds_the_keys():
                                              seq_lengths=(4, 37))
     paged = cache.block_mask_on_pages(full, [1])
     assert paged.full_kv_num_blocks.flatten().tolist() == [2] and paged.kv_num_blocks.flatten().tolist() == [1]
-    q = torch.randn(1, 4, 4, E, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float16)
+    q = harness.randn(harness.generator(4), 1, 4, 4, E, dtype=torch.float16)
     out, lse = flexattn.flex_attention(q, seqs.k_cache, seqs.v_cache, block_mask=paged, enable_gqa=True,
                                        return_lse=True)
     seqs.check("full blocks", q, out, lse, flexattn.noop_mask, lambda score, b, h, q_idx, kv_idx: score)
@@ -536,7 +535,7 @@ def _decode_steps(backend: str, steps: int, options=None):
         for i in range(2):
             seqs.k[i] = torch.cat([seqs.k[i], k_new[i]], dim=2)
             seqs.v[i] = torch.cat([seqs.v[i], v_new[i]], dim=2)
-        q = torch.randn(2, Hq, 1, E, generator=gen).to(DEVICE, torch.float16)
+        q = harness.randn(gen, 2, Hq, 1, E, dtype=torch.float16)
         logical = flexattn.create_block_mask(window_mask, 2, None, 1, max(seqs.lengths), device=DEVICE,
                                              BLOCK_SIZE=(16, page))
         paged_mask = cache.block_mask_on_pages(logical, slots)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+from pathlib import Path
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "flexattn"
@@ -103,3 +104,14 @@ def test_no_history_notes():
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in paths
             for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(RESULT_FILE.sub("", line))]
     assert not hits, "history notes belong in bench/DECISIONS.md:\n" + "\n".join(hits)
+
+
+def test_decision_records_cited_exist():
+    """Every bench/DECISIONS.md#id that code, docs or the README points to is a row there."""
+    decisions = (ROOT / "bench" / "DECISIONS.md").read_text()
+    paths = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.jinja"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md",
+             *(ROOT / "bench").rglob("*.py"), *(p for p in (ROOT / "tests").rglob("*.py") if p.name != Path(__file__).name)]
+    cited = {(p.relative_to(ROOT), anchor) for p in paths
+             for anchor in re.findall(r"DECISIONS\.md#([a-z0-9-]+)", p.read_text())}
+    missing = sorted(f"{path}: {anchor}" for path, anchor in cited if f'id="{anchor}"' not in decisions)
+    assert cited and not missing, "no such DECISIONS.md row:\n" + "\n".join(missing)
