@@ -5,7 +5,7 @@ Write an attention variant as a tiny ``score_mod(score, b, h, q_idx, kv_idx)`` a
 it as fused, block-sparse kernels. The API mirrors ``torch.nn.attention.flex_attention``.
 """
 
-from . import _dynamo_capture, lowering
+from . import _dynamo_capture
 from .api import AuxOutput, AuxRequest, flex_attention
 from .block_mask import (
     BlockMask,
@@ -18,8 +18,9 @@ from .block_mask import (
 from . import mods
 from .paged import PagedKVCache
 
+# Dynamo learns the operator when it is imported, and the Inductor lowerings are
+# registered when Dynamo first captures a call: importing flexattn imports neither.
 _dynamo_capture.register()
-lowering.register()
 
 __version__ = "0.1.0"
 

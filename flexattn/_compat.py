@@ -12,12 +12,6 @@ except this one and ``lowering/``, listing each offending ``file:line``, and che
 every name exported here is used. Nothing is whitelisted: where torch has a public
 spelling flexattn uses it (``torch.compiler.reset``, ``torch.compiler.is_compiling``).
 
-Not yet routed: ``_hop.py`` still calls the dispatch-key guards directly
-(``torch._C._AutoDispatchBelowAutograd``, ``torch._C._ExcludeDispatchKeyGuard``,
-``torch._C.DispatchKeySet``); ``below_autograd`` and ``exclude_dispatch_key`` are their
-replacements. The lint lists them as pending and fails once they are gone, so that the
-exception is removed with them.
-
 What the lint cannot see: internals reached through objects torch hands to flexattn
 rather than through a module path. These come with the names exported here and have the
 same spelling in 2.11 and 2.13 (``tests/test_capture.py`` and ``tests/test_reference.py``
@@ -126,6 +120,51 @@ def hop_init_kwargs() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 # Dynamo internals
 # --------------------------------------------------------------------------------------
+def _after_import(module_name: str, callback) -> None:
+    """Run ``callback(module)`` once the module ``module_name`` is imported: at once if it
+    already is, else right after its code has run. flexattn registers with Dynamo this
+    way, so that ``import flexattn`` does not import Dynamo (seconds) for users who
+    never compile."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != module_name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                callback(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+#: The Dynamo module whose table maps a HOP's name to the variable class that traces it.
+_DYNAMO_HOP_MODULE = "torch._dynamo.variables.higher_order_ops"
+
+
+def register_dynamo_hop(hop_name: str, make_variable) -> None:
+    """Have Dynamo trace the HOP ``hop_name`` with ``make_variable(value, source,
+    **kwargs)`` (a variable class or a factory), from when Dynamo is imported."""
+    _after_import(_DYNAMO_HOP_MODULE,
+                 lambda module: module._hop_name_to_variable_class.__setitem__(hop_name, make_variable))
+
+
 def dynamo_hop_support():
     """The Dynamo pieces a HOP variable needs, as a namespace.
 
@@ -226,6 +265,7 @@ __all__ = [
     "disable_functional_mode",
     "disable_proxy_modes_tracing",
     "dynamo_hop_support",
+    "register_dynamo_hop",
     "enable_triton_interpreter",
     "exclude_dispatch_key",
     "float32_matmul_allows_tf32",

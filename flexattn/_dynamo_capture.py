@@ -7,12 +7,15 @@ closes over (bias tables, document ids, learnable parameters). Those free tensor
 lifted into explicit buffer arguments of the HOP node, so the graph says exactly what
 each mod reads, and autograd and Inductor can treat them as ordinary inputs.
 
-Registration is one entry in Dynamo's table from HOP name to variable class; it is done
-when flexattn is imported.
+Registration is one entry in Dynamo's table from HOP name to variable class, made when
+Dynamo is imported (``_compat.register_dynamo_hop``), so ``import flexattn`` stays cheap.
+The first call Dynamo captures also registers the Inductor lowerings: every compiled
+flexattn call passes through here before Inductor lowers it.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -176,11 +179,23 @@ def _reject_mutation(name: str, graph: torch.fx.Graph) -> None:
             )
 
 
+@functools.cache
+def _variable_class():
+    return _make_variable_class()
+
+
+def _make_variable(value, source=None, **kwargs):
+    """Dynamo's variable for a ``flex_attention_hop`` call (the class is built on first use)."""
+    from . import lowering
+
+    lowering.register()
+    return _variable_class()(value, source, **kwargs)
+
+
 def register() -> None:
-    """Add flexattn's HOP to Dynamo's table (idempotent)."""
+    """Add flexattn's HOP to Dynamo's table once Dynamo is imported (idempotent)."""
     global _registered
     if _registered:
         return
-    support = _compat.dynamo_hop_support()
-    support.name_to_variable_class[flex_attention_hop.__name__] = _make_variable_class()
+    _compat.register_dynamo_hop(flex_attention_hop.__name__, _make_variable)
     _registered = True
