@@ -7,6 +7,7 @@ it as fused, block-sparse kernels. The API mirrors ``torch.nn.attention.flex_att
 
 from . import _dynamo_capture
 from .api import AuxOutput, AuxRequest, flex_attention
+from .options import FlexKernelOptions
 from .block_mask import (
     BlockMask,
     and_masks,
@@ -28,6 +29,7 @@ __all__ = [
     "AuxOutput",
     "AuxRequest",
     "BlockMask",
+    "FlexKernelOptions",
     "PagedKVCache",
     "and_masks",
     "create_block_mask",

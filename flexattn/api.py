@@ -19,6 +19,7 @@ import functools
 import hashlib
 import math
 import pathlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -227,6 +228,33 @@ def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_o
 
 
 # --------------------------------------------------------------------------------------
+# torch's own objects
+# --------------------------------------------------------------------------------------
+def _is_torch_flex(obj: Any, name: str) -> bool:
+    cls = type(obj)
+    return cls.__name__ == name and cls.__module__.startswith("torch.nn.attention")
+
+
+def _from_torch_object(obj: Any) -> Any:
+    """torch's AuxRequest or BlockMask as flexattn's (a BlockMask shares its tensors, no
+    copy), so code written for torch's FlexAttention passes its objects unchanged;
+    anything else as it came."""
+    if _is_torch_flex(obj, "AuxRequest"):
+        return AuxRequest(lse=bool(obj.lse), max_scores=bool(obj.max_scores))
+    if _is_torch_flex(obj, "BlockMask"):
+        return BlockMask(obj.seq_lengths, obj.kv_num_blocks, obj.kv_indices, obj.full_kv_num_blocks,
+                         obj.full_kv_indices, obj.q_num_blocks, obj.q_indices, obj.full_q_num_blocks,
+                         obj.full_q_indices, BLOCK_SIZE=obj.BLOCK_SIZE, mask_mod=obj.mask_mod)
+    return obj
+
+
+@functools.cache
+def _warn_return_lse_deprecated() -> None:
+    warnings.warn("flexattn: return_lse is deprecated (as in torch's flex_attention); use "
+                  "return_aux=AuxRequest(lse=True)", FutureWarning, stacklevel=3)
+
+
+# --------------------------------------------------------------------------------------
 # The public function
 # --------------------------------------------------------------------------------------
 def flex_attention(
@@ -265,6 +293,10 @@ def flex_attention(
     _check_qkv(query, key, value, enable_gqa)
     if return_lse and return_aux is not None:
         raise ValueError("flexattn: pass either return_lse or return_aux, not both")
+    if return_lse and not torch.compiler.is_compiling():
+        _warn_return_lse_deprecated()
+    return_aux = _from_torch_object(return_aux)
+    block_mask = _from_torch_object(block_mask)
     if return_aux is not None and not isinstance(return_aux, AuxRequest):
         raise TypeError(f"flexattn: return_aux must be an AuxRequest, got {type(return_aux).__name__}")
     if score_mod is None:

@@ -49,6 +49,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -249,12 +250,15 @@ def _index_vectors(B: int, H: int, q_start: int, q_stop: int, KV_LEN: int, devic
     return arange(0, B), arange(0, H), arange(q_start, q_stop), arange(0, KV_LEN)
 
 
-def _check_positive_int(value: Any, argument: str, allow_none: bool = False) -> None:
+def _check_positive_int(value: Any, argument: str, allow_none: bool = False) -> Any:
+    """``value`` as a Python int (a NumPy integer too), or None where allowed; a
+    ValueError naming ``argument`` for anything else."""
     if allow_none and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, numbers.Integral)) or value < 1:
         expected = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"{argument} must be {expected}, got {value!r}")
+    return value if isinstance(value, int) else int(value)
 
 
 def create_mask(
@@ -274,10 +278,10 @@ def create_mask(
     whole grid: use it for small shapes, tests and pictures.
     """
     arity = _mod_arity(mod_fn, "mod_fn")
-    _check_positive_int(B, "B", allow_none=True)
-    _check_positive_int(H, "H", allow_none=True)
-    _check_positive_int(Q_LEN, "Q_LEN")
-    _check_positive_int(KV_LEN, "KV_LEN")
+    B = _check_positive_int(B, "B", allow_none=True)
+    H = _check_positive_int(H, "H", allow_none=True)
+    Q_LEN = _check_positive_int(Q_LEN, "Q_LEN")
+    KV_LEN = _check_positive_int(KV_LEN, "KV_LEN")
     B = 1 if B is None else B
     H = 1 if H is None else H
     device = _resolve_device(device)
@@ -922,8 +926,8 @@ class BlockMask:
         paged mask's) are cropped in place and keep their width (at most the new KV
         blocks), without going through the (..., QB, KVB) flags of the whole grid.
         """
-        _check_positive_int(new_q_len, "new_q_len")
-        _check_positive_int(new_kv_len, "new_kv_len")
+        new_q_len = _check_positive_int(new_q_len, "new_q_len")
+        new_kv_len = _check_positive_int(new_kv_len, "new_kv_len")
         q_block, kv_block = self.BLOCK_SIZE
         rows, cols = _cdiv(new_q_len, q_block), _cdiv(new_kv_len, kv_block)
         old_rows, old_cols = self.kv_indices.shape[-2], self._kv_columns()
@@ -1042,10 +1046,10 @@ def create_block_mask(
             "takes 5, i.e. it is a score_mod. Pass score_mods to flex_attention(score_mod=...) "
             "and build block masks from a mask_mod."
         )
-    _check_positive_int(B, "B", allow_none=True)
-    _check_positive_int(H, "H", allow_none=True)
-    _check_positive_int(Q_LEN, "Q_LEN")
-    _check_positive_int(KV_LEN, "KV_LEN")
+    B = _check_positive_int(B, "B", allow_none=True)
+    H = _check_positive_int(H, "H", allow_none=True)
+    Q_LEN = _check_positive_int(Q_LEN, "Q_LEN")
+    KV_LEN = _check_positive_int(KV_LEN, "KV_LEN")
     block_size = _normalize_block_size(BLOCK_SIZE)
     B = 1 if B is None else B
     H = 1 if H is None else H

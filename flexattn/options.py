@@ -13,7 +13,7 @@ rewrites it, and a test keeps the two equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, TypedDict
 
 #: Kernels that read options (the ``readers`` of an entry).
 KERNELS = ("forward", "backward", "decode")
@@ -45,6 +45,8 @@ class KernelOption:
     origin: str = "flexattn"
     public: bool = True
     default_doc: str = ""
+    #: The values a "str" key takes (ValueError for another).
+    choices: tuple[str, ...] = ()
 
     def check(self, value: Any) -> None:
         """Raise TypeError when ``value`` is not of this key's kind."""
@@ -59,6 +61,8 @@ class KernelOption:
             expected = {"bool": "True or False", "tristate": "True, False or None", "int": "an int",
                         "str": "a str"}[self.kind]
             raise TypeError(f"flexattn: kernel_options {self.name} must be {expected}, got {value!r}")
+        if self.choices and value not in self.choices:
+            raise ValueError(f"flexattn: kernel_options {self.name} must be one of {self.choices}, got {value!r}")
 
 
 def _tiles(names: tuple[str, ...], readers: tuple[str, ...], doc: str, origin: str = "torch") -> list[KernelOption]:
@@ -117,6 +121,10 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "start first (no numerical effect)",
                  default_doc="backward on, forward off "
                              "([decisions](../bench/DECISIONS.md#forward-reversed-q-tiles-default))"),
+    KernelOption("BACKEND", "str", "AUTO", ("forward", "decode"),
+                 "which kernel: AUTO (flexattn's choice), TRITON (the main kernel), TRITON_DECODE (the split-KV "
+                 "decode kernel); torch's FLASH backend does not exist here (an error)", "torch",
+                 choices=("AUTO", "TRITON", "TRITON_DECODE", "FLASH")),
     KernelOption("FORCE_DECODE", "tristate", PER_CALL, _DEC,
                  "True / False: always / never use the split-KV decode kernel",
                  default_doc="decode kernel when the query has at most 64 rows and the keys at least 256"),
@@ -180,7 +188,25 @@ def validate(kernel_options: Any) -> dict[str, Any]:
         raise ValueError(f"flexattn: unknown kernel_options {unknown}; known keys are {sorted(PUBLIC_KEYS)}")
     for name, value in kernel_options.items():
         REGISTRY[name].check(value)
+    _check_backend(kernel_options)
     return dict(kernel_options)
+
+
+def _check_backend(kernel_options: dict[str, Any]) -> None:
+    """BACKEND as torch reads it, and what flexattn lacks of it."""
+    if "BACKEND" not in kernel_options:
+        return
+    backend = kernel_options["BACKEND"]
+    if kernel_options.get("FORCE_USE_FLEX_ATTENTION"):
+        raise RuntimeError("flexattn: kernel_options BACKEND cannot be combined with FORCE_USE_FLEX_ATTENTION "
+                           "(BACKEND supersedes it); pass only BACKEND")
+    if backend == "FLASH":
+        raise ValueError("flexattn: kernel_options BACKEND='FLASH' selects torch's FlashAttention (CuTe) kernels, "
+                         "which flexattn does not have; use 'AUTO', 'TRITON' or 'TRITON_DECODE'")
+    forced = kernel_options.get("FORCE_DECODE")
+    if forced is not None and backend != "AUTO" and bool(forced) != (backend == "TRITON_DECODE"):
+        raise ValueError(f"flexattn: kernel_options BACKEND={backend!r} and FORCE_DECODE={forced!r} contradict "
+                         "each other; pass one of them")
 
 
 def with_defaults(kernel_options: dict[str, Any]) -> dict[str, Any]:
@@ -223,3 +249,11 @@ def markdown_table() -> str:
         origin = "" if opt.origin == "flexattn" else " (torch's key)"
         rows.append(f"| `{opt.name}` | {', '.join(opt.readers)} | {default} | {opt.doc}{origin} |")
     return "\n".join(rows) + "\n"
+
+
+_KIND_TYPES = {"bool": bool, "int": int, "tristate": Optional[bool], "str": str}
+
+#: The kernel_options dict as a type (torch's ``FlexKernelOptions``): every public key,
+#: none required.
+FlexKernelOptions = TypedDict(  # type: ignore[misc]
+    "FlexKernelOptions", {opt.name: _KIND_TYPES[opt.kind] for opt in OPTIONS if opt.public}, total=False)

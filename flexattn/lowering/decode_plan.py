@@ -6,8 +6,9 @@ reads Inductor IR, so the plan is unit-testable without compiling. ``lowering/de
 turns a plan into IR.
 
 * the kernel (``wants_decode_kernel``): decode when ``L <= DECODE_MAX_Q_LEN`` and
-  ``S >= DECODE_MIN_KV_LEN``; FORCE_DECODE forces it either way, torch's
-  FORCE_USE_FLEX_ATTENTION=True means the main kernel;
+  ``S >= DECODE_MIN_KV_LEN``; FORCE_DECODE forces it either way, as torch's BACKEND
+  (TRITON_DECODE, TRITON) does; torch's FORCE_USE_FLEX_ATTENTION=True means the main
+  kernel;
 * the packing (``packing``): HEADS_PER_TILE query heads x BLOCK_Q positions per tile, at
   most ``MAX_TILE_ROWS`` rows; heads are packed only when the BlockMask is the same for
   every head (a tile walks one BlockMask row);
@@ -94,10 +95,13 @@ def wants_decode_kernel(q_len: int, kv_len: int, kernel_options: Mapping[str, An
         raise DecodeOptionError(
             "flexattn: kernel_options FORCE_DECODE=True and FORCE_USE_FLEX_ATTENTION=True "
             "contradict each other; pass one of them")
-    if main_forced:
+    backend = _options.read(kernel_options, "BACKEND")
+    if main_forced or backend == "TRITON":
         return False
     if forced is not None:
         return bool(forced)
+    if backend == "TRITON_DECODE":
+        return True
     return q_len <= DECODE_MAX_Q_LEN and kv_len >= DECODE_MIN_KV_LEN
 
 

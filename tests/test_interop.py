@@ -1,0 +1,89 @@
+"""Code written for torch's FlexAttention passes its own objects and options unchanged:
+torch's BlockMask and AuxRequest, the BACKEND key, FlexKernelOptions, NumPy lengths, and
+return_lse's deprecation warning."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import flexattn
+from flexattn import mods
+
+from conftest import DEVICE
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _qkv(L=128, E=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, L, E, generator=g).to(DEVICE) for _ in range(3)]
+
+
+def test_torch_block_mask_and_aux_request():
+    q, k, v = _qkv()
+    theirs = torch_flex.create_block_mask(_causal, 1, 1, 128, 128, device=DEVICE, BLOCK_SIZE=64)
+    ours = flexattn.create_block_mask(_causal, 1, 1, 128, 128, device=DEVICE, BLOCK_SIZE=64)
+    out, aux = flexattn.flex_attention(q, k, v, block_mask=theirs, return_aux=torch_flex.AuxRequest(lse=True))
+    expected, expected_aux = flexattn.flex_attention(q, k, v, block_mask=ours,
+                                                     return_aux=flexattn.AuxRequest(lse=True))
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(aux.lse, expected_aux.lse)
+    assert aux.max_scores is None
+
+
+def test_backend_key():
+    q, k, v = _qkv(L=1)
+    k, v = (torch.randn(1, 2, 512, 16, device=DEVICE) for _ in range(2))
+    expected = flexattn.flex_attention(q, k, v)
+    for backend in ("AUTO", "TRITON", "TRITON_DECODE"):
+        torch.testing.assert_close(flexattn.flex_attention(q, k, v, kernel_options={"BACKEND": backend}), expected,
+                                   atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="BACKEND='FLASH'.*does not have"):
+        flexattn.flex_attention(q, k, v, kernel_options={"BACKEND": "FLASH"})
+    with pytest.raises(ValueError, match="BACKEND must be one of"):
+        flexattn.flex_attention(q, k, v, kernel_options={"BACKEND": "CUDNN"})
+    with pytest.raises(RuntimeError, match="BACKEND cannot be combined with FORCE_USE_FLEX_ATTENTION"):
+        flexattn.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON", "FORCE_USE_FLEX_ATTENTION": True})
+    with pytest.raises(ValueError, match="contradict"):
+        flexattn.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON", "FORCE_DECODE": True})
+
+
+def test_backend_picks_the_kernel():
+    from flexattn.lowering.decode_plan import wants_decode_kernel
+
+    assert wants_decode_kernel(1, 512, {"BACKEND": "AUTO"})
+    assert not wants_decode_kernel(1, 512, {"BACKEND": "TRITON"})
+    assert wants_decode_kernel(512, 512, {"BACKEND": "TRITON_DECODE"})
+
+
+def test_flex_kernel_options_type():
+    options: flexattn.FlexKernelOptions = {"BLOCK_M": 64, "PRESCALE_QK": True}
+    assert set(flexattn.FlexKernelOptions.__annotations__) >= {"BLOCK_M", "bwd_BLOCK_M1", "BACKEND", "USE_TMA"}
+    assert "DEFAULT_MASK" not in flexattn.FlexKernelOptions.__annotations__
+    q, k, v = _qkv()
+    flexattn.flex_attention(q, k, v, kernel_options=options)
+
+
+def test_numpy_lengths():
+    mask = flexattn.create_block_mask(mods.causal_mask, np.int64(1), None, np.int32(100), np.int64(130),
+                                      device=DEVICE)
+    assert mask.seq_lengths == (100, 130) and type(mask.seq_lengths[0]) is int
+    with pytest.raises(ValueError, match="Q_LEN must be a positive int"):
+        flexattn.create_block_mask(mods.causal_mask, 1, 1, np.float32(100), 100, device=DEVICE)
+
+
+def test_return_lse_warns_once_like_torch():
+    q, k, v = _qkv()
+    flexattn.api._warn_return_lse_deprecated.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flexattn.flex_attention(q, k, v, return_lse=True)
+        flexattn.flex_attention(q, k, v, return_lse=True)
+    assert [w.category for w in caught if "return_lse" in str(w.message)] == [FutureWarning]
