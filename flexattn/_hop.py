@@ -318,6 +318,10 @@ def build_score_mod_graphs(score_mod: Callable, query: Tensor, score_mod_buffers
     return fw_graph, joint_graph
 
 
+#: Marks a place in FlexAttentionAutogradOp's saved inputs that holds a saved tensor.
+_SAVED = object()
+
+
 class FlexAttentionAutogradOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
@@ -332,27 +336,23 @@ class FlexAttentionAutogradOp(torch.autograd.Function):
         ctx._joint_graph = joint_graph
         ctx._scale = scale
         ctx._kernel_options = kernel_options
-        ctx._block_mask_layout = [isinstance(x, Tensor) for x in block_mask]
-        ctx._block_mask_constants = [None if isinstance(x, Tensor) else x for x in block_mask]
-        ctx._num_score_buffers = len(score_mod_buffers)
-        bm_tensors = [x for x in block_mask if isinstance(x, Tensor)]
-        ctx._num_bm_tensors = len(bm_tensors)
-        ctx.save_for_backward(query, key, value, out, lse, *bm_tensors, *score_mod_buffers, *mask_mod_buffers)
+        ctx._counts = (len(block_mask), len(score_mod_buffers))
+        # save_for_backward takes tensors only; sizes (SymInts under dynamic shapes), the
+        # mask_mod and absent tables stay on ctx in their places.
+        items = [query, key, value, out, lse, *block_mask, *score_mod_buffers, *mask_mod_buffers]
+        ctx._layout = [_SAVED if isinstance(x, Tensor) else x for x in items]
+        ctx.save_for_backward(*(x for x in items if isinstance(x, Tensor)))
         return out, lse, max_scores
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, grad_max_scores):
-        saved = list(ctx.saved_tensors)
-        query, key, value, out, lse = saved[:5]
-        rest = saved[5:]
-        bm_tensors = iter(rest[: ctx._num_bm_tensors])
-        rest = rest[ctx._num_bm_tensors:]
-        score_mod_buffers = tuple(rest[: ctx._num_score_buffers])
-        mask_mod_buffers = tuple(rest[ctx._num_score_buffers:])
-        block_mask = tuple(
-            next(bm_tensors) if is_tensor else const
-            for is_tensor, const in zip(ctx._block_mask_layout, ctx._block_mask_constants)
-        )
+        saved = iter(ctx.saved_tensors)
+        items = [next(saved) if x is _SAVED else x for x in ctx._layout]
+        query, key, value, out, lse = items[:5]
+        n_mask, n_score = ctx._counts
+        block_mask = tuple(items[5:5 + n_mask])
+        score_mod_buffers = tuple(items[5 + n_mask:5 + n_mask + n_score])
+        mask_mod_buffers = tuple(items[5 + n_mask + n_score:])
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grad_q, grad_k, grad_v, grad_buffers = flex_attention_backward_hop(

@@ -10,9 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch._dynamo.testing
+
 import flexattn
 from flexattn import mods
 
+import _harness as harness
 from conftest import DEVICE
 
 
@@ -80,3 +83,45 @@ def test_gradients_keep_their_batch_when_the_batch_becomes_symbolic():
         for got, want in zip(grads, expected):
             assert got.shape == want.shape
             torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def _learned_bias_attention(bias):
+    def attend(q, k, v):
+        out, aux = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, m, n: s + bias[n],
+                                           return_aux=flexattn.AuxRequest(lse=True))
+        return out, aux.lse
+    return attend
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param("dense", marks=pytest.mark.skipif(DEVICE != "cpu", reason="the dense path is the CPU one")),
+    "template",
+])
+def test_training_step_over_changing_lengths_with_a_learned_bias(path):
+    """A compiled step reused over lengths 64, 96, 128, its score_mod reading a learned
+    bias as long as the sequence: Dynamo goes dynamic after the second length and lifts
+    the bias's length (a SymInt) among the captured values, which the autograd operator
+    must keep beside, not inside, its saved tensors. Output, lse and every gradient
+    (the bias's too) within the three-way bound at each step; the Triton path compiles
+    at most twice (the dense CPU path specialises every length)."""
+    if path == "dense":
+        torch._inductor.config.cpu_backend = "cpp"  # undone by the fixture's config patch
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+
+    def step(q, k, v, bias):
+        return _learned_bias_attention(bias)(q, k, v)
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for i, S in enumerate((64, 96, 128)):
+        q, k, v = harness.make_inputs(i, B=1, Hq=2, L=S, S=S, E=16, dtype=torch.float32, requires_grad=True)
+        gen = harness.generator(100 + i)
+        bias = harness.randn(gen, S, device=DEVICE, requires_grad=True)
+        grad_out, grad_lse = harness.make_output_grads(gen, q, v, with_lse=True)
+        test = harness.attention_grads(lambda *t: compiled(*t, bias), (q, k, v), grad_out, grad_lse, (bias,))
+        golden, ref = (harness.attention_grads(_learned_bias_attention(b), qkv, grad_out.to(dtype), grad_lse, (b,))
+                       for dtype, qkv, b in ((torch.float64, harness.copies((q, k, v), torch.float64),
+                                             harness.copies(bias, torch.float64)),
+                                            (torch.float32, harness.copies((q, k, v)), harness.copies(bias))))
+        harness.check_attention(test[:2], ref[:2], golden[:2], torch.float32, max_scores=False, prefix=f"S={S} ")
+        harness.check_gradients(test[2], ref[2], golden[2], torch.float32)
+    assert counter.frame_count <= (3 if path == "dense" else 2), counter.frame_count
