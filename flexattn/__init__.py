@@ -6,7 +6,7 @@ it as fused, block-sparse kernels. The API mirrors ``torch.nn.attention.flex_att
 """
 
 from . import _dynamo_capture
-from .api import AuxOutput, AuxRequest, flex_attention
+from .api import AuxOutput, AuxRequest, eager_mods, flex_attention
 from .options import FlexKernelOptions
 from .block_mask import (
     BlockMask,
@@ -34,6 +34,7 @@ __all__ = [
     "and_masks",
     "create_block_mask",
     "create_mask",
+    "eager_mods",
     "flex_attention",
     "mods",
     "noop_mask",

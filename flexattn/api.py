@@ -15,9 +15,11 @@ implementation is the CPU path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
+import os
 import pathlib
 import warnings
 from dataclasses import dataclass
@@ -221,7 +223,29 @@ def _compiled_hop(backend: str) -> Callable:
     return torch.compile(_call_hop, backend=backend, fullgraph=True, dynamic=False)
 
 
+#: Set by ``eager_mods``: calls outside torch.compile run the reference without compiling.
+_EAGER_MODS_ENV = "FLEXATTN_EAGER_MODS"
+_eager_mods_depth = 0
+
+
+@contextlib.contextmanager
+def eager_mods():
+    """Debug switch: inside this block (or with FLEXATTN_EAGER_MODS=1), ``flex_attention``
+    called outside torch.compile runs the dense reference without compiling anything, so
+    score_mod and mask_mod run as Python (``print``, breakpoints; they see batched 0-d
+    values, as under torch.vmap). Slow and memory-hungry: for debugging small shapes.
+    Calls inside a compiled function are compiled as usual."""
+    global _eager_mods_depth
+    _eager_mods_depth += 1
+    try:
+        yield
+    finally:
+        _eager_mods_depth -= 1
+
+
 def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_options):
+    if _eager_mods_depth or os.environ.get(_EAGER_MODS_ENV, "0") == "1":
+        return flex_attention_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)
     backend = _eager_backend(query.device)
     with _compat.unlimited_recompiles():
         return _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)

@@ -87,3 +87,23 @@ def test_return_lse_warns_once_like_torch():
         flexattn.flex_attention(q, k, v, return_lse=True)
         flexattn.flex_attention(q, k, v, return_lse=True)
     assert [w.category for w in caught if "return_lse" in str(w.message)] == [FutureWarning]
+
+
+def test_eager_mods_runs_mods_as_python(capsys, monkeypatch):
+    """Inside flexattn.eager_mods() a call outside torch.compile compiles nothing and its
+    mods run as Python: a print inside score_mod prints."""
+    q, k, v = _qkv(L=16)
+
+    def noisy(score, b, h, q_idx, kv_idx):
+        print("score_mod ran")
+        return score * 2
+
+    def no_compile(backend):
+        raise AssertionError("eager_mods compiled the operator")
+
+    monkeypatch.setattr(flexattn.api, "_compiled_hop", no_compile)
+    with flexattn.eager_mods():
+        out = flexattn.flex_attention(q, k, v, score_mod=noisy)
+    assert "score_mod ran" in capsys.readouterr().out
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=2 / 4)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
