@@ -2,8 +2,11 @@
 # Install flexattn and what it needs, on a fresh machine or one that already has torch.
 #   bash scripts/setup.sh        # the package (for the demo)
 #   bash scripts/setup.sh test   # the package and the test tools
-# A machine without torch gets the CPU build of torch 2.13.0 (a bare `torch` requirement
-# could pull a multi-GB CUDA build); a machine with torch (the GPU image: 2.11) keeps it.
+# What it does: if `import torch` fails, `pip install torch==2.13.0` (pinned, so that pip
+# does not pick whatever is newest; whether that is a CPU or a CUDA build is up to the
+# index pip uses: this project's CI machines resolve it to a CPU build); a machine that
+# has torch (the GPU image: 2.11) keeps it. Then `pip install -e .` (with `test`, the
+# [test] extra: pytest, pytest-xdist, numpy, pyflakes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
