@@ -750,7 +750,7 @@ class BlockMask:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """(*batch dims, q_len, kv_len), e.g. (B, H, Q_LEN, KV_LEN)."""
+        """``(*batch dims, q_len, kv_len)``, e.g. ``(B, H, Q_LEN, KV_LEN)``."""
         return (*self.kv_indices.shape[:-2], *self.seq_lengths)
 
     def numel(self) -> int:
