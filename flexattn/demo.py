@@ -17,7 +17,7 @@ import time
 import torch
 
 import flexattn
-from flexattn import mods
+from flexattn import _compat, mods
 
 
 def _time_ms(fn, device: str, reps: int) -> float:
@@ -63,6 +63,16 @@ def _reference(q, k, v, score_mod, block_mask):
     return out
 
 
+def _path_measured(device: str) -> str:
+    """Which implementation the demo's flexattn calls run on this device."""
+    if device == "cuda":
+        return "flexattn's fused Triton kernels on the GPU"
+    if _compat.inductor_cpu_backend() == "triton":
+        return "flexattn's Triton kernels in Triton's CPU interpreter (slow; for testing)"
+    return ("flexattn's dense CPU path (the whole score matrix, compiled by Inductor's C++ backend; "
+            "a tiled CPU kernel is future work)")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seq-len", type=int, default=None)
@@ -77,11 +87,14 @@ def main(argv=None) -> None:
     ref_S = min(S, 1024)  # the dense float64 reference is checked on a prefix of the sequence
     print(f"flexattn {flexattn.__version__} demo on {torch.cuda.get_device_name() if on_gpu else 'cpu'}: "
           f"B={B} H={H} S={S} D={D} {dtype}; torch {torch.__version__}")
+    print(f"measuring: {_path_measured(device)}", flush=True)
 
     from torch.nn.attention import flex_attention as torch_flex
 
     rows = []
-    for name, (score_mod, mask_mod) in _variants(B, H, S, device).items():
+    variants = _variants(B, H, S, device)
+    for i, (name, (score_mod, mask_mod)) in enumerate(variants.items(), 1):
+        print(f"[{i}/{len(variants)}] {name}: compiling both, checking against float64, timing", flush=True)
         # Each variant starts from fresh Dynamo caches, as a separate model would: after
         # recompiles Dynamo turns closed-over floats into inputs, which torch's own flex
         # does not lower on the CPU.
