@@ -149,19 +149,23 @@ def render() -> dict[str, bytes]:
     return files
 
 
+def stale_files(out: pathlib.Path) -> list[str]:
+    """The files of ``render()`` that ``out`` lacks or holds in another version."""
+    return [name for name, data in render().items() if not same_file(out / name, data)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if any file would change")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args()
-    files = render()
     if args.check:
-        stale = [name for name, data in files.items() if not same_file(args.out / name, data)]
+        stale = stale_files(args.out)
         for name in stale:
             print(f"stale: {args.out / name}")
         return 1 if stale else 0
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
+    for name, data in render().items():
         (args.out / name).write_bytes(data)
     return 0
 

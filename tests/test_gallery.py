@@ -16,8 +16,7 @@ sys.path.pop(0)
 
 
 def test_gallery_is_current():
-    files = gallery.render()
-    stale = [name for name, data in files.items() if not gallery.same_file(gallery.OUT / name, data)]
+    stale = gallery.stale_files(gallery.OUT)
     assert not stale, f"run python3 scripts/gallery.py: {stale}"
 
 
