@@ -155,17 +155,17 @@ def _check_block_mask(block_mask: Any, query: Tensor, key: Tensor) -> BlockMask:
         )
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
-    Bm, Hm = block_mask.kv_num_blocks.shape[:2]
-    if Bm not in (1, B) or Hm not in (1, Hq):
+    if block_mask.kv_num_blocks.dim() != 3:
         raise ValueError(
-            f"flexattn: block_mask has batch {Bm} and heads {Hm}; expected batch 1 or {B} and "
-            f"heads 1 or {Hq} (query's)"
+            f"flexattn: block_mask must have (batch, heads, query blocks) tables, got kv_num_blocks "
+            f"of shape {tuple(block_mask.kv_num_blocks.shape)}"
         )
     if block_mask.kv_num_blocks.device != query.device:
         raise ValueError(
             f"flexattn: block_mask is on {block_mask.kv_num_blocks.device} but query is on "
             f"{query.device}; move it with block_mask.to(query.device)"
         )
+    block_mask = block_mask._tile_to(B, Hq)
     mask_q, mask_kv = block_mask.seq_lengths
     if (mask_q, mask_kv) != (L, S):
         if mask_q < L or mask_kv < S:

@@ -510,7 +510,11 @@ def _compute_block_flags(
     if compile_chunks:
         evaluate_chunk = functools.partial(_compiled_chunk_evaluator(), mask_mod)
     else:
-        evaluate_chunk = functools.partial(_evaluate_chunk, mask_mod)
+        # Traced by a caller's torch.compile, the word view is a bool -> uint8 dtype view,
+        # which Inductor cannot lower; the plain reduction fuses there anyway.
+        evaluate_chunk = functools.partial(
+            _evaluate_chunk, mask_mod, use_words=not torch.compiler.is_compiling()
+        )
 
     budget = max(1, MASK_CHUNK_BYTES // BYTES_PER_MASK_ELEMENT)
     batches, heads, q_blocks = _chunk_plan(B, H, QB, q_block, KV_LEN, budget)
@@ -913,6 +917,33 @@ class BlockMask:
             seq_lengths=self.seq_lengths,
             compute_q_blocks=self.q_indices is not None,
         )
+
+    def _tile_to(self, batch: int, heads: int) -> BlockMask:
+        """The mask a call with ``batch`` x ``heads`` query rows reads: batch b and head h
+        use the mask's entry (b % mask batch, h % mask heads), as torch's flex does. A
+        mask dim of 1 or of the call's size is kept (1 broadcasts in the kernels); a
+        larger one is narrowed (a view); a smaller one is gathered (the tables are per
+        block, small). mask_mod still sees the call's b and h."""
+        sizes = self.kv_num_blocks.shape[:2]
+        if all(size in (1, want) for size, want in zip(sizes, (batch, heads))):
+            return self
+
+        def tile(table: Tensor | None) -> Tensor | None:
+            if table is None:
+                return None
+            for dim, want in enumerate((batch, heads)):
+                size = table.shape[dim]
+                if size in (1, want):
+                    continue
+                if size > want:
+                    table = table.narrow(dim, 0, want)
+                else:
+                    rows = torch.arange(want, device=table.device) % size
+                    table = table.index_select(dim, rows)
+            return table
+
+        tables = {name: tile(getattr(self, name)) for name in self._TENSOR_FIELDS}
+        return BlockMask(self.seq_lengths, **tables, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
         """Crop to the upper-left (new_q_len, new_kv_len) corner of the mask.

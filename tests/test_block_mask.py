@@ -645,3 +645,14 @@ def test_dense_to_ordered_is_a_stable_sort_of_the_flags(shape):
     expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     assert torch.equal(indices, expected) and torch.equal(num, dense.sum(-1, dtype=torch.int32))
     assert num.dtype == indices.dtype == torch.int32
+
+
+def test_create_block_mask_traced_by_torch_compile(device):
+    """create_block_mask called inside a compiled function (as model code does) gives the
+    eager mask, for lengths that are and are not whole words of 8 positions."""
+    for length in (256, 300):
+        torch._dynamo.reset()
+        eager = create_block_mask(causal_mask, 2, 1, length, length, device=device)
+        traced = torch.compile(create_block_mask)(causal_mask, 2, 1, length, length, device=device)
+        for name in BlockMask._TENSOR_FIELDS:
+            torch.testing.assert_close(getattr(traced, name), getattr(eager, name), msg=name)

@@ -107,3 +107,28 @@ def test_eager_mods_runs_mods_as_python(capsys, monkeypatch):
     assert "score_mod ran" in capsys.readouterr().out
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=2 / 4)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def _per_row_window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 8 * (b + 1) + 4 * h
+
+
+@pytest.mark.parametrize("mask_bh, call_bh", [((4, 1), (1, 2)), ((2, 1), (4, 2)), ((1, 2), (2, 4)), ((3, 3), (2, 6))])
+def test_block_mask_batch_and_heads_are_taken_modulo(mask_bh, call_bh):
+    """torch's flex reads a mask of batch Bm and heads Hm at (b % Bm, h % Hm): a mask
+    with more batches than the call (decoding a prefix of a batch), or built with the
+    KV head count under GQA, is accepted and read that way; mask_mod sees the call's b, h."""
+    (Bm, Hm), (B, H) = mask_bh, call_bh
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, 64, 16, generator=g).to(DEVICE) for _ in range(3))
+    mask = flexattn.create_block_mask(_per_row_window, Bm, Hm, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+    out = flexattn.flex_attention(q, k, v, block_mask=mask)
+    kinds = mask._block_kinds().cpu()[torch.arange(B).view(B, 1) % Bm, torch.arange(H).view(1, H) % Hm]
+    kinds = kinds.repeat_interleave(16, -2).repeat_interleave(16, -1)
+    i = torch.arange(64)
+    exact = _per_row_window(torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
+                            i.view(64, 1), i.view(1, 64))
+    # Full blocks are taken whole; in partial blocks mask_mod decides with the call's (b, h).
+    allowed = (kinds == 2) | ((kinds == 1) & exact)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=allowed)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
