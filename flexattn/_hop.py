@@ -237,13 +237,15 @@ def _mutated_inputs(graph: torch.fx.GraphModule) -> list[str]:
 
 
 def _plain_copy_like(t: Any, requires_grad: bool | None = None) -> Any:
-    """A fresh, non-functional tensor with ``t``'s metadata (values are irrelevant)."""
+    """A fresh, non-functional tensor with ``t``'s metadata, zero-filled: tracing runs the
+    mod on it for real, and a captured index tensor (``bias[b][which, q_idx]``) must hold
+    a valid index."""
     if not isinstance(t, Tensor):
         return t
     if requires_grad is None:
         requires_grad = t.requires_grad and t.is_floating_point()
-    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device,
-                               requires_grad=requires_grad)
+    copy = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).zero_()
+    return copy.requires_grad_(requires_grad)
 
 
 def reject_mutating_mod(name: str, mod: Callable, example_args: Sequence) -> None:

@@ -32,6 +32,7 @@ from . import _compat
 from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, flex_attention_hop, identity_score_mod
 from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, noop_mask
+from .reference import dense_math
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -245,7 +246,8 @@ def eager_mods():
 
 def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_options):
     if _eager_mods_depth or os.environ.get(_EAGER_MODS_ENV, "0") == "1":
-        return flex_attention_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)
+        # Plain autograd through the math: tensors the mods close over get their gradients.
+        return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), ())
     backend = _eager_backend(query.device)
     with _compat.unlimited_recompiles():
         return _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)

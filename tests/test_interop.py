@@ -109,6 +109,21 @@ def test_eager_mods_runs_mods_as_python(capsys, monkeypatch):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_eager_mods_differentiates_captured_tensors():
+    """Under eager_mods a tensor the score_mod closes over gets its gradient, as in a
+    compiled call."""
+    q, k, v = _qkv(L=16)
+    bias = torch.randn(16, device=DEVICE, requires_grad=True)
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx] * q_idx
+
+    with flexattn.eager_mods():
+        (got,) = torch.autograd.grad(flexattn.flex_attention(q, k, v, score_mod=shifted).square().sum(), bias)
+    (want,) = torch.autograd.grad(flexattn.flex_attention(q, k, v, score_mod=shifted).square().sum(), bias)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def _per_row_window(b, h, q_idx, kv_idx):
     return (q_idx - kv_idx).abs() <= 8 * (b + 1) + 4 * h
 

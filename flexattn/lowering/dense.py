@@ -35,7 +35,6 @@ from .common import as_tensor_boxes, realize_fixed
 
 #: Ops besides pointwise-tagged ones that act elementwise under broadcasting.
 _BROADCAST_SAFE = {
-    torch.ops.aten.index.Tensor,
     torch.ops.aten.full.default,
     torch.ops.aten.scalar_tensor.default,
     torch.ops.aten._to_copy.default,
@@ -45,12 +44,23 @@ _BROADCAST_SAFE = {
 }
 
 
+def _reads_elements(index_node: torch.fx.Node) -> bool:
+    """Whether an ``aten.index`` reads one element of a captured tensor per position: every
+    dim indexed by a tensor. Partial indexing (``bias[b]``) leaves trailing dims that a
+    later index (``bias[b][q_idx]``) would take for broadcast dims."""
+    source, indices = index_node.args[0], index_node.args[1]
+    if not isinstance(source, torch.fx.Node) or source.op not in ("placeholder", "get_attr"):
+        return False
+    value = source.meta.get("val")
+    return value is not None and len(indices) == value.dim() and all(i is not None for i in indices)
+
+
 def broadcastable_mod(gm: torch.fx.GraphModule) -> bool:
     """True when every op of the mod graph is elementwise (see the module docstring)."""
     for node in gm.graph.nodes:
         if node.op == "call_function":
             target = node.target
-            if target in _BROADCAST_SAFE:
+            if target in _BROADCAST_SAFE or (target is torch.ops.aten.index.Tensor and _reads_elements(node)):
                 continue
             if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
                 continue
@@ -164,6 +174,22 @@ def _traced(fn, graph_inputs):
                            tracing_mode="fake")(*examples)
 
 
+def _clamped_indices(source, indices: Sequence) -> list:
+    """Integer indices clamped into ``source``'s dims. The dense path evaluates score_mod
+    on every position, also those the block mask excludes, where a mod may index out of
+    range (a page table past a sequence's pages); those scores are discarded, and the
+    kernels never read them. Inductor's C++ bounds check would abort the process there."""
+    sizes = source.get_size()
+    clamped = []
+    for dim, index in enumerate(indices):
+        if index is not None and not index.get_dtype().is_floating_point and index.get_dtype() != torch.bool:
+            size = sizes[dim]
+            index = lowerings[torch.ops.aten.clamp_min.default](index, -size)
+            index = lowerings[torch.ops.aten.clamp_max.default](index, size - 1)
+        clamped.append(index)
+    return clamped
+
+
 def _lower_graph(gm: torch.fx.GraphModule, inputs: Sequence) -> list:
     """Lower every node of ``gm`` into the current Inductor graph; its outputs' IR."""
     env: dict[torch.fx.Node, Any] = {}
@@ -178,6 +204,8 @@ def _lower_graph(gm: torch.fx.GraphModule, inputs: Sequence) -> list:
             elif node.op == "call_function":
                 args, kwargs = pytree.tree_map_only(torch.fx.Node, env.__getitem__, (node.args, node.kwargs))
                 V.graph.current_node = node
+                if node.target is torch.ops.aten.index.Tensor:
+                    args = (args[0], _clamped_indices(args[0], args[1]))
                 if node.target in lowerings:
                     env[node] = lowerings[node.target](*args, **kwargs)
                 else:
