@@ -40,7 +40,7 @@ from torch import Tensor
 from . import _compat
 from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode, pytree
 from ._mask_tuple import BlockMaskView
-from .reference import IndexWithTensors, dense_math
+from .reference import IndexWithTensors, dense_math, stats_dtype
 
 #: The error of a call that needs a backward with a mask built without the transposed lists.
 NO_Q_BLOCKS_ERROR = (
@@ -153,8 +153,8 @@ def _empty_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor
     B, Hq, L, _ = query.shape
     ev = value.shape[-1]
     out = torch.empty_strided((B, Hq, L, ev), output_strides(query, ev), dtype=query.dtype, device=query.device)
-    lse = torch.empty((B, Hq, L), dtype=torch.float32, device=query.device)
-    max_scores = torch.empty((B, Hq, L), dtype=torch.float32, device=query.device)
+    lse = torch.empty((B, Hq, L), dtype=stats_dtype(query.dtype), device=query.device)
+    max_scores = torch.empty((B, Hq, L), dtype=stats_dtype(query.dtype), device=query.device)
     return out, lse, max_scores
 
 

@@ -163,6 +163,13 @@ def _working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the row statistics (lse, max_scores) of a call on ``dtype`` inputs:
+    float32, float64 for float64 inputs (as torch's flex returns eagerly, and as
+    gradcheck needs)."""
+    return _working_dtype(dtype)
+
+
 def dense_math(
     query: Tensor,
     key: Tensor,
@@ -201,4 +208,5 @@ def dense_math(
     out = probs.to(query.dtype) @ v
     out = torch.where(live[..., None], out, torch.zeros_like(out))
     max_scores = torch.where(live, row_max, torch.full_like(row_max, -math.inf))
-    return out, lse.to(torch.float32), max_scores.to(torch.float32)
+    stats = stats_dtype(query.dtype)
+    return out, lse.to(stats), max_scores.to(stats)

@@ -31,6 +31,7 @@ from torch._inductor.virtualized import V
 from .. import _compat
 from .. import options as _options
 from .._hop import buffers_with_grad
+from ..reference import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, plan_buffer_grads
@@ -101,12 +102,14 @@ def use_dq_atomics(kernel_options: dict[str, Any], device: torch.device, dtype: 
 
 
 def compute_delta(out, grad_out, grad_logsumexp):
-    """rowsum(dO * O) in float32, minus the lse gradient when there is one (one fused
-    reduction; see the module docstring for why the lse gradient folds in here)."""
-    prod = lowerings[aten.mul.Tensor](to_dtype(out, torch.float32), to_dtype(grad_out, torch.float32))
+    """rowsum(dO * O) in float32 (float64 for float64 calls), minus the lse gradient when
+    there is one (one fused reduction; see the module docstring for why the lse gradient
+    folds in here)."""
+    work = stats_dtype(out.get_dtype())
+    prod = lowerings[aten.mul.Tensor](to_dtype(out, work), to_dtype(grad_out, work))
     delta = lowerings[aten.sum.dim_IntList](prod, [-1])
     if grad_logsumexp is not None:
-        delta = lowerings[aten.sub.Tensor](delta, to_dtype(grad_logsumexp, torch.float32))
+        delta = lowerings[aten.sub.Tensor](delta, to_dtype(grad_logsumexp, work))
     return common.realize_fixed(delta)
 
 

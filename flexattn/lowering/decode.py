@@ -28,6 +28,7 @@ from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
 from torch.utils._sympy.functions import FloorDiv
 
 from .. import _compat
+from ..reference import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .configs.base import gpu_generation, shared_memory_limit
@@ -184,8 +185,8 @@ def _merge(acc, m_part, l_part, query, spec: dict[str, Any], plan: DecodePlan):
     device = query.get_device()
     acc = common.realize_fixed(acc)
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
-    lse = common.dense_buffer([B, Hq, L], device, torch.float32)
-    row_max = common.dense_buffer([B, Hq, L], device, torch.float32)
+    lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
+    row_max = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
     input_nodes = [acc, m_part, l_part, lse, row_max]
     choices: list[Any] = []
     error = merge_template.maybe_append_choice(

@@ -14,6 +14,7 @@ from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
 
 from .. import _compat
+from ..reference import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .configs import base as config_base
@@ -63,8 +64,8 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
 
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     # The kernel writes lse and row_max in place: the template's extra outputs.
-    lse = common.dense_buffer([B, Hq, L], device, torch.float32)
-    row_max = common.dense_buffer([B, Hq, L], device, torch.float32)
+    lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
+    row_max = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
 
     mask_reads_memory = any(isinstance(b, ir.IRNode) for b in call.mask_mod_buffers)
     candidates = forward_configs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
