@@ -625,3 +625,43 @@ def test_dense_cpu_path_training_step():
     want = torch.autograd.grad(out.square().sum() + lse.sum(), (qd, kd, vd, td))
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("q_dtype, bias_dtype", [(torch.float32, torch.float64), (torch.float64, torch.float16),
+                                                 (torch.float16, torch.float64), (torch.float64, torch.float32)],
+                         ids=str)
+def test_captured_tensor_of_another_dtype(q_dtype, bias_dtype):
+    """A learnable bias whose dtype is not the query's (torch's own tests build their
+    float64 golden with the bias left in float16): the scores keep the kernel's dtype
+    (float32, float64 for float64 calls) whatever the bias promotes them to, and the
+    bias gets its gradient in its own dtype."""
+    n, E = scaled(40, 300), 16
+    gen = harness.generator(5)
+    q, k, v = harness.make_inputs(gen, B=2, Hq=2, L=n, S=n, E=E, dtype=q_dtype, requires_grad=True)
+    bias = harness.randn(gen, n, n, dtype=bias_dtype, requires_grad=True)
+    grad_out = harness.randn(gen, 2, 2, n, E, dtype=q_dtype)
+    mask = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=scaled(16, 128))
+
+    def attend(q, k, v, bias):
+        out = flexattn.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[i, j], block_mask=mask)
+        return out, None
+
+    def run(fn, q, k, v, bias):
+        out, _, grads = harness.attention_grads(lambda *a: fn(*a, bias), (q, k, v), grad_out.to(q.dtype),
+                                                captured=(bias,))
+        return out, grads
+
+    compiled = torch.compile(attend, backend="inductor", fullgraph=True)
+    test = run(compiled, *harness.copies((q, k, v, bias)))
+    with flexattn.eager_mods():
+        ref = run(attend, *harness.copies((q, k, v, bias)))
+        golden = run(attend, *harness.copies((q, k, v, bias), torch.float64))
+    assert test[0].dtype == q_dtype and test[1][3].dtype == bias_dtype
+    # The float64 kernels scale by float constants Triton rounds to float32 (about 3e-8
+    # relative, times the scores' and gradients' size); their floor is that, not float64's.
+    floor = 2e-6 if q_dtype == torch.float64 else None
+    harness.check_three_way("out", test[0], ref[0], golden[0], q_dtype, floor=floor)
+    for name, t, r, g in zip(("grad_q", "grad_k", "grad_v"), test[1], ref[1], golden[1]):
+        harness.check_three_way(name, t, r, g, q_dtype, floor=floor)
+    harness.check_three_way("grad_bias", test[1][3], ref[1][3], golden[1][3], bias_dtype,
+                            ratio=harness.CAPTURED_GRAD_RATIO, floor=floor and max(floor, harness.ATOL_FLOOR[bias_dtype]))

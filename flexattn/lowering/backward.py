@@ -151,7 +151,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     captured = common.as_tensor_boxes(call.score_mod_buffers)
     grad_score_buffer = build_mod_buffer(graph_returning(joint_gm, joint_outputs(joint_gm)[0]), JOINT_ARGS, dtype,
                                          device, captured, "score_mod's gradient (joint graph)",
-                                         fast_tanh=call.fast_tanh)
+                                         fast_tanh=call.fast_tanh, out_dtype=stats_dtype(dtype))
     grad_plan = plan_buffer_grads(joint_gm, call.score_mod_buffers, wants, dtype, device, call.fast_tanh)
     subgraphs: list[Any] = [call.score_buffer, call.mask_buffer, grad_score_buffer, grad_plan.scatters,
                             *grad_plan.reduced]
@@ -228,7 +228,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         grad_key = lowerings[aten.sum.dim_IntList](grad_key, [0], True)
         grad_value = lowerings[aten.sum.dim_IntList](grad_value, [0], True)
     buffer_grads = tuple(None if g is None else finish_buffer_grad(g, buf)
-                         for g, buf in zip(grad_plan.grads, call.score_mod_buffers))
+                         for g, buf in zip(grad_plan.grads, score_mod_buffers))
     grad_query = ir.TensorBox(grad_query)
     if dq_atomic:
         grad_query = to_dtype(lowerings[aten.mul.Tensor](grad_query, float(scale)), dtype)

@@ -30,6 +30,7 @@ from torch.utils._sympy.functions import FloorDiv, Mod
 from .. import _compat
 from .. import options as _options
 from .._mask_tuple import BlockMaskView
+from ..reference import stats_dtype
 from .configs.tma import tma_by_default
 from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod, use_fast_tanh
 
@@ -104,14 +105,24 @@ def captured_for_kernel(node, query):
     (``realize_fixed`` would copy it on the CPU, see there), as float32 unless the query
     is float64: inside the mod every value is 0-d, so a float64 scalar would otherwise
     promote the whole score computation (as a Python float does not).
+
+    A float16 or bfloat16 tensor captured by a float64 call is copied as float32: Triton
+    (3.6, sm90) fails to compile a 16-bit load into the float64 dot's layout.
     """
-    if isinstance(node, ir.IRNode) and not node.get_size() and node.get_device().type == "cpu":
-        dtype = node.get_dtype()
+    if not isinstance(node, ir.IRNode):
+        return node
+    dtype = node.get_dtype()
+    if not node.get_size() and node.get_device().type == "cpu":
         if dtype == torch.float64 and query.get_dtype() != torch.float64:
             dtype = torch.float32
-        loader = node.make_loader()
-        node = ir.Pointwise.create(device=query.get_device(), dtype=dtype,
-                                   inner_fn=lambda index: ops.to_dtype(loader(index), dtype), ranges=[])
+    elif query.get_dtype() == torch.float64 and dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
+    else:
+        return realize_fixed(node)
+    loader = node.make_loader()
+    node = ir.Pointwise.create(device=query.get_device(), dtype=dtype,
+                               inner_fn=lambda index: ops.to_dtype(loader(index), dtype),
+                               ranges=list(node.get_size()))
     return realize_fixed(node)
 
 
@@ -231,7 +242,8 @@ def prepare_call(query, key, value, score_graph, block_mask, kernel_options, sco
         score_mod_buffers=score_mod_buffers, mask_mod_buffers=mask_mod_buffers,
         has_score_mod=not is_identity_score_mod(score_graph.graph_module),
         score_buffer=build_mod_buffer(score_graph.graph_module, SCORE_MOD_ARGS, dtype, device,
-                                      as_tensor_boxes(score_mod_buffers), "score_mod", fast_tanh=fast_tanh),
+                                      as_tensor_boxes(score_mod_buffers), "score_mod", fast_tanh=fast_tanh,
+                                      out_dtype=stats_dtype(dtype)),
         mask_buffer=build_mod_buffer(bm.mask_mod.graph_module, MASK_MOD_ARGS, dtype, device,
                                      as_tensor_boxes(mask_mod_buffers), "mask_mod", fast_tanh=fast_tanh),
         fast_tanh=fast_tanh,

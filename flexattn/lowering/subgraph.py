@@ -24,7 +24,7 @@ import torch
 from torch._inductor import ir
 from torch._inductor.ops_handler import WrapperHandler
 from torch._inductor.subgraph_lowering import PointwiseSubgraphLowering
-from torch._inductor.virtualized import V
+from torch._inductor.virtualized import V, ops
 
 from .. import _compat
 
@@ -97,6 +97,13 @@ def _placeholder(name: str, dtype: torch.dtype, device: torch.device) -> ir.Tens
     return ir.TensorBox.create(ir.InputBuffer(name=name, layout=layout))
 
 
+def _cast(loader, dtype: torch.dtype):
+    def inner_fn(index):
+        return ops.to_dtype(loader(index), dtype)
+
+    return inner_fn
+
+
 def build_mod_buffer(
     graph_module: torch.fx.GraphModule,
     arg_specs: Sequence[tuple[str, torch.dtype | None]],
@@ -106,12 +113,15 @@ def build_mod_buffer(
     what: str,
     *,
     fast_tanh: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> ir.ComputedBuffer:
     """Lower one mod graph to a 0-d ComputedBuffer for ``modification``.
 
     ``captured`` are the realized IR nodes (or sympy scalars) of the mod's buffers, in
     the graph's placeholder order after the scalar arguments. ``fast_tanh``: the mod's
-    tanh becomes the hardware instruction (``use_fast_tanh``).
+    tanh becomes the hardware instruction (``use_fast_tanh``). ``out_dtype``: the value
+    is cast to it (a score the kernel carries across tiles keeps its dtype when the mod
+    adds a wider captured tensor).
     """
     args = [_placeholder(name, dtype or query_dtype, device) for name, dtype in arg_specs]
     lowering = PointwiseSubgraphLowering(graph_module, root_graph_lowering=V.graph)
@@ -142,10 +152,13 @@ def build_mod_buffer(
     loader = result.make_loader()
     if fast_tanh:
         loader = _with_hardware_tanh(loader)
-    body = ir.Pointwise(device=device, dtype=result.get_dtype(), inner_fn=loader, ranges=[])
+    result_dtype = result.get_dtype()
+    if out_dtype is not None and result_dtype != out_dtype:
+        loader, result_dtype = _cast(loader, out_dtype), out_dtype
+    body = ir.Pointwise(device=device, dtype=result_dtype, inner_fn=loader, ranges=[])
     buffer = ir.ComputedBuffer(
         name=None,
-        layout=ir.FlexibleLayout(device=device, dtype=result.get_dtype(), size=[]),
+        layout=ir.FlexibleLayout(device=device, dtype=result_dtype, size=[]),
         data=body,
     )
     buffer.freeze_layout()
