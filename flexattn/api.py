@@ -35,6 +35,9 @@ from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_coun
 from .reference import dense_math
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Keys and values may be float8 under a 16- or 32-bit query (quantized KV caches; the
+#: kernels widen each tile to the query's dtype, forward and decode only).
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_HEAD_DIM = 256
 
 def _code_version() -> str:
@@ -89,20 +92,23 @@ def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
         if t.dim() != 4:
             layout = "(B, H, L, E)" if name == "query" else "(B, Hkv, S, E)" if name == "key" else "(B, Hkv, S, Ev)"
             raise ValueError(f"flexattn: {name} must be 4-D {layout}, got shape {_shape(t)}")
-        if t.dtype not in SUPPORTED_DTYPES:
+        allowed = SUPPORTED_DTYPES if name == "query" else SUPPORTED_DTYPES + FP8_KV_DTYPES
+        if t.dtype not in allowed:
             raise TypeError(
-                f"flexattn: {name} must have a floating dtype in "
-                f"{[str(d) for d in SUPPORTED_DTYPES]}, got {t.dtype}"
+                f"flexattn: {name} must have a floating dtype in {[str(d) for d in allowed]}, got {t.dtype}"
             )
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"flexattn: query, key and value must share one dtype, got query {query.dtype}, "
-            f"key {key.dtype}, value {value.dtype}"
+    low_precision_kv = key.dtype == value.dtype and key.dtype in FP8_KV_DTYPES and query.dtype != torch.float64
+    if not (query.dtype == key.dtype == value.dtype or low_precision_kv):
+        # torch's phrase (its tests match it), then what is allowed.
+        raise ValueError(
+            f"flexattn: Expected query, key, and value to have the same dtype, but got query.dtype: "
+            f"{query.dtype}, key.dtype: {key.dtype}, and value.dtype: {value.dtype} instead (key and "
+            f"value may also both be float8 under a float16, bfloat16 or float32 query)"
         )
     if not (query.device == key.device == value.device):
         raise ValueError(
-            f"flexattn: query, key and value must be on one device, got query on {query.device}, "
-            f"key on {key.device}, value on {value.device}"
+            f"flexattn: Expected query, key, and value to have the same device type, but got "
+            f"query.device: {query.device}, key.device: {key.device}, and value.device: {value.device} instead."
         )
     B, Hq, _, E = query.shape
     Bk, Hk, S, Ek = key.shape

@@ -190,8 +190,8 @@ def dense_math(
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
     work = _working_dtype(query.dtype)
-    k = _expand_kv(key, B, Hq)
-    v = _expand_kv(value, B, Hq)
+    k = _expand_kv(key.to(query.dtype), B, Hq)  # float8 keys and values are widened, as the kernels do
+    v = _expand_kv(value.to(query.dtype), B, Hq)
     scores = (query @ k.transpose(-2, -1)).to(work) * scale
     scores = apply_score_mod(score_mod, scores, score_mod_buffers).to(work)
     allowed = block_mask_visibility(block_mask, B, Hq, L, S, query.device, mask_mod_buffers)

@@ -749,3 +749,33 @@ def test_decode_configs_fit_shared_memory():
     assert planned.configs
     for cfg in planned.configs:
         assert decode_configs.shared_memory_estimate(cfg, planned.packing.block_m, 256, 256, 2) <= 227 * 1024
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("L", [4, 64], ids=lambda L: f"L{L}")
+def test_float8_keys_and_values(kv_dtype, L):
+    """A float8 KV cache under a float16 query (per-head key scales dequantised in
+    score_mod, as torch's tests do): the decode kernel (L=4) and the forward kernel
+    (L=64) widen each K/V tile to the query's dtype; checked against the reference on the
+    same float8 values. No backward: it raises, naming the mixed dtypes."""
+    gen = harness.generator(11)
+    B, H, S, E = 1, 4, scaled(96, 1024), 64
+    q = harness.randn(gen, B, H, L, E, dtype=torch.float16)
+    k_full, v_full = (harness.randn(gen, B, H, S, E) for _ in range(2))
+    # Scaled to e4m3's range (448) for both formats: e5m2's 57344 would overflow the
+    # reference's float16 product q k^T.
+    k_scale = k_full.abs().amax(dim=(-2, -1)) / 448.0
+    v_scale = v_full.abs().amax(dim=(-2, -1), keepdim=True) / 448.0
+    k, v = (k_full / k_scale[..., None, None]).to(kv_dtype), (v_full / v_scale).to(kv_dtype)
+
+    def dequantise(score, b, h, q_idx, kv_idx):
+        return score * k_scale[b, h]
+
+    out = torch.compile(flexattn.flex_attention, fullgraph=True)(q, k, v, score_mod=dequantise) * v_scale
+    with flexattn.eager_mods():
+        ref = flexattn.flex_attention(q, k, v, score_mod=dequantise) * v_scale
+        golden = flexattn.flex_attention(q.double(), k.double(), v.double(), score_mod=dequantise) * v_scale
+    harness.check_three_way("out", out, ref, golden, torch.float16)
+    q.requires_grad_(True)
+    with pytest.raises(Exception, match="Backward pass with mixed query, key, and value dtype is not supported"):
+        torch.compile(flexattn.flex_attention, fullgraph=True)(q, k, v).sum().backward()

@@ -28,7 +28,9 @@ def _call(*args, **kwargs):
         (lambda q, k, v: (q, k[0], v), r"key must be 4-D"),
         (lambda q, k, v: (q, k, v.unsqueeze(0)), r"value must be 4-D"),
         (lambda q, k, v: (q.long(), k, v), r"query must have a floating dtype"),
-        (lambda q, k, v: (q, k.half(), v), r"share one dtype, got query torch.float32, key torch.float16"),
+        (lambda q, k, v: (q, k.half(), v.half()), r"Expected query, key, and value to have the same dtype, but got "
+                                                  r"query.dtype: torch.float32, key.dtype: torch.float16"),
+        (lambda q, k, v: (q, k.to(torch.float8_e4m3fn), v), r"Expected query, key, and value to have the same dtype"),
         (lambda q, k, v: (q, k[..., :4], v), r"key's head dim must equal query's \(8\)"),
         (lambda q, k, v: (q, k, v[:, :, :8]), r"key and value must agree"),
         (lambda q, k, v: (q, k[:, :2], v[:, :2]), r"query has 4 heads and key/value 2.*enable_gqa=True"),
@@ -39,6 +41,17 @@ def _call(*args, **kwargs):
 def test_bad_tensors(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         _call(*make(*_qkv()))
+
+
+def test_error_types_match_torch():
+    """Code written against torch's flex catches what torch raises: ValueError for mixed
+    dtypes and mixed devices (torch's phrases, which its own tests match)."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="Expected query, key, and value to have the same dtype"):
+        _call(q.double(), k, v)
+    with pytest.raises(ValueError, match="Expected query, key, and value to have the same device type, but got "
+                                         "query.device: cpu, key.device: meta"):
+        _call(q, k.to("meta"), v)
 
 
 def test_empty_key_value_is_rejected():

@@ -122,8 +122,9 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     device = query.get_device()
     dtype = query.get_dtype()
     if key.get_dtype() != dtype or value.get_dtype() != dtype:
-        raise ValueError("flexattn: the backward needs query, key and value of one dtype, got "
-                         f"{dtype}, {key.get_dtype()}, {value.get_dtype()}")
+        raise ValueError("flexattn: Backward pass with mixed query, key, and value dtype is not supported "
+                         f"(float8 keys and values serve inference), got query.dtype={dtype}, "
+                         f"key.dtype={key.get_dtype()}, and value.dtype={value.get_dtype()}")
     B, Hq, L, E = query.get_size()
     Bkv, Hkv, S, _ = key.get_size()
     Ev = value.get_size()[3]

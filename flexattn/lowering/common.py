@@ -311,6 +311,12 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_d
         return False
     if requested is None and not tma_by_default(kernel, query.get_device(), qk_dim_pad, query.get_dtype()):
         return False
+    if key.get_dtype() != query.get_dtype():
+        # float8 keys and values: the tile shapes and configs are the query dtype's.
+        if requested:
+            warnings.warn(f"flexattn: kernel_options USE_TMA=True: key/value dtype {key.get_dtype()} differs "
+                          f"from the query's; the {kernel} kernel loads through pointers", stacklevel=2)
+        return False
     for node, name in ((query, "query"), (key, "key"), (value, "value"), *extra_operands):
         obstacle = _tma_obstacle(node, name)
         if obstacle is not None:

@@ -89,8 +89,8 @@ def dense_attention(query, key, value, score_mod, block_mask, scale, score_mod_b
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
     group = Hq // key.shape[1]
-    k = key.repeat_interleave(group, dim=1).expand(B, Hq, S, key.shape[-1])
-    v = value.repeat_interleave(group, dim=1).expand(B, Hq, S, value.shape[-1])
+    k = key.to(query.dtype).repeat_interleave(group, dim=1).expand(B, Hq, S, key.shape[-1])
+    v = value.to(query.dtype).repeat_interleave(group, dim=1).expand(B, Hq, S, value.shape[-1])
     grids = _index_grids(B, Hq, L, S, query.device)
     scores = (query @ k.transpose(-2, -1)).to(torch.float32) * scale
     scores = score_mod(scores, *grids, *score_mod_buffers).to(torch.float32)
