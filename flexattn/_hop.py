@@ -44,11 +44,16 @@ from .reference import IndexWithTensors, dense_math, stats_dtype
 
 #: The error of a call that needs a backward with a mask built without the transposed lists.
 NO_Q_BLOCKS_ERROR = (
-    "flexattn: block_mask has no transposed (per-KV-block) lists, which the backward needs "
-    "(it was built with compute_q_blocks=False), but {what} requires grad; rebuild it with "
-    "compute_q_blocks=True (a paged mask: PagedKVCache.block_mask_on_pages(..., compute_q_blocks=True)) "
-    "or run the call under torch.no_grad()"
+    "flexattn: BlockMask q_indices is None. Backward pass requires q_indices to be computed. "
+    "Please create the BlockMask with compute_q_blocks=True: it was built with compute_q_blocks=False, "
+    "without the transposed (per-KV-block) lists, but {what} requires grad (a paged mask: "
+    "PagedKVCache.block_mask_on_pages(..., compute_q_blocks=True)), or run the call under torch.no_grad()"
 )
+
+
+class MissingQBlocksError(ValueError, RuntimeError):
+    """A backward was asked of a BlockMask built without its transposed lists (a
+    RuntimeError, as torch raises; a ValueError, as the argument is at fault)."""
 
 
 class MutatingModError(RuntimeError):
@@ -376,7 +381,7 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
                                       score_mod_buffers, mask_mod_buffers)
     if BlockMaskView(*block_mask).q_indices is None:
         # q, k and v were checked in api.flex_attention: here it is a score_mod buffer.
-        raise ValueError(NO_Q_BLOCKS_ERROR.format(what="a tensor captured by score_mod"))
+        raise MissingQBlocksError(NO_Q_BLOCKS_ERROR.format(what="a tensor captured by score_mod"))
     fw_graph, joint_graph = build_score_mod_graphs(score_mod, query, score_mod_buffers)
     return FlexAttentionAutogradOp.apply(
         query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,

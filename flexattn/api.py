@@ -30,8 +30,8 @@ from torch import Tensor
 
 from . import _compat
 from . import options as _options
-from ._hop import NO_Q_BLOCKS_ERROR, flex_attention_hop, identity_score_mod
-from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, noop_mask
+from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, flex_attention_hop, identity_score_mod
+from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, _sliced_mask_mod, noop_mask
 from .reference import dense_math
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -124,7 +124,7 @@ def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
         raise ValueError(
             f"flexattn: key/value batch must be 1 (broadcast) or query's batch {B}, got {Bk}"
         )
-    if S == 0:
+    if S == 0 and not torch.compiler.is_compiling():  # compiled: the lowering raises (as torch's does)
         raise ValueError(
             f"flexattn: key/value must hold at least one position (S >= 1) for a query to attend "
             f"to, got key shape {_shape(key)}"
@@ -177,7 +177,7 @@ def _check_block_mask(block_mask: Any, query: Tensor, key: Tensor) -> BlockMask:
     if (mask_q, mask_kv) != (L, S):
         if mask_q < L or mask_kv < S:
             raise ValueError(
-                f"flexattn: block_mask was made for (Q_LEN, KV_LEN) = ({mask_q}, {mask_kv}) but "
+                f"flexattn: block_mask was created for (Q_LEN, KV_LEN) = ({mask_q}, {mask_kv}) but "
                 f"query/key have ({L}, {S}); build it for at least those lengths"
             )
         block_mask = block_mask._adjust(L, S)
@@ -280,8 +280,8 @@ def _from_torch_object(obj: Any) -> Any:
     return obj
 
 
-@functools.cache
 def _warn_return_lse_deprecated() -> None:
+    # Every call warns; Python's default filter shows it once per calling line.
     warnings.warn("flexattn: return_lse is deprecated (as in torch's flex_attention); use "
                   "return_aux=AuxRequest(lse=True)", FutureWarning, stacklevel=3)
 
@@ -338,6 +338,13 @@ def flex_attention(
     if default_mask:
         block_mask = _full_block_mask(query, key)
     block_mask = _check_block_mask(block_mask, query, key)
+    if block_mask.mask_mod is _sliced_mask_mod:
+        # Raised here, not when the kernel's mask_mod is traced (torch.compile would wrap it).
+        raise RuntimeError(
+            "flexattn: Cannot use mask_mod from a sliced BlockMask: block_mask[...] renumbers batches, "
+            "heads and query blocks, so the original mask_mod no longer fits; assign "
+            "block_mask.mask_mod a mask_mod for the slice (e.g. with the query offset added)"
+        )
     _check_mod("block_mask.mask_mod", block_mask.mask_mod, 4, "(b, h, q_idx, kv_idx)")
     if scale is None:
         scale = 1.0 / math.sqrt(query.size(-1))
@@ -352,7 +359,7 @@ def flex_attention(
     want_max = return_aux is not None and return_aux.max_scores
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if needs_grad and block_mask.q_indices is None:
-        raise ValueError(NO_Q_BLOCKS_ERROR.format(what="query, key or value"))
+        raise MissingQBlocksError(NO_Q_BLOCKS_ERROR.format(what="query, key or value"))
     if "OUTPUT_LOGSUMEXP" not in (kernel_options or {}):
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse or needs_grad)
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)

@@ -75,7 +75,7 @@ def test_head_dim_limits():
 def test_block_mask_checks():
     q, k, v = _qkv(L=40, S=40)
     small = flexattn.create_block_mask(mods.causal_mask, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
-    with pytest.raises(ValueError, match=r"made for \(Q_LEN, KV_LEN\) = \(32, 32\) but query/key have \(40, 40\)"):
+    with pytest.raises(ValueError, match=r"created for \(Q_LEN, KV_LEN\) = \(32, 32\) but query/key have \(40, 40\)"):
         _call(q, k, v, block_mask=small)
     with pytest.raises(TypeError, match=r"block_mask must be a flexattn.BlockMask"):
         _call(q, k, v, block_mask=torch.ones(40, 40, dtype=torch.bool))
@@ -148,3 +148,35 @@ def test_return_shapes_and_dtypes():
     assert lse.shape == (2, 4, 10) and lse.dtype == torch.float32
     out, aux = _call(q, k, v, enable_gqa=True, return_aux=flexattn.AuxRequest(max_scores=True))
     assert aux.lse is None and aux.max_scores.shape == (2, 4, 10)
+
+
+def test_sliced_block_mask_needs_its_own_mask_mod():
+    """block_mask[...] keeps no valid mask_mod: flex_attention says so with torch's
+    RuntimeError, eagerly and compiled; assigning a mask_mod for the slice works."""
+    q, k, v = _qkv(L=1, S=64)
+    base = flexattn.create_block_mask(mods.causal_mask, 2, 4, 64, 64, device="cpu", BLOCK_SIZE=16)
+    sliced = base[:, :, 2]
+    for call in (_call, torch.compile(_call)):
+        with pytest.raises(RuntimeError, match="Cannot use mask_mod from a sliced BlockMask"):
+            call(q, k, v, block_mask=sliced)
+    sliced.mask_mod = lambda b, h, q_idx, kv_idx: q_idx + 32 >= kv_idx
+    sliced.seq_lengths = (1, 64)
+    torch.testing.assert_close(_call(q, k, v, block_mask=sliced),
+                               _call(q, k[:, :, :33], v[:, :, :33]), atol=1e-5, rtol=1e-5)
+
+
+def test_zero_length_under_compile_raises_torchs_error():
+    """A zero-length sequence: eagerly flexattn's ValueError, compiled the lowering's
+    (Inductor wraps it), with torch's phrase."""
+    q, k, v = _qkv(L=0, S=0)
+    with pytest.raises(ValueError, match="at least one position"):
+        _call(q, k, v)
+    with pytest.raises(torch._inductor.exc.InductorError, match="Query length must be greater than 0"):
+        torch.compile(_call, fullgraph=True)(q, k, v)
+
+
+def test_return_lse_warns_on_every_call():
+    q, k, v = _qkv()
+    for _ in range(2):
+        with pytest.warns(FutureWarning, match="return_lse is deprecated"):
+            _call(q, k, v, return_lse=True)

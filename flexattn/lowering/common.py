@@ -193,9 +193,12 @@ class PreparedCall:
 
 
 def check_positive_lengths(query, key) -> None:
-    for name, length in (("query", query.get_size()[2]), ("key", key.get_size()[2])):
+    for name, length in (("Query", query.get_size()[2]), ("Key", key.get_size()[2])):
         if V.graph.sizevars.statically_known_true(sympy.Eq(length, 0)):
-            raise ValueError(f"flexattn: the {name} length must be positive")
+            # torch's phrase (its tests match it under torch.compile).
+            raise ValueError(f"flexattn: {name} length must be greater than 0, got shape {list(query.get_size())}"
+                             if name == "Query" else
+                             f"flexattn: {name} length must be greater than 0, got shape {list(key.get_size())}")
 
 
 def prepare_call(query, key, value, score_graph, block_mask, kernel_options, score_mod_buffers, mask_mod_buffers,
@@ -209,7 +212,6 @@ def prepare_call(query, key, value, score_graph, block_mask, kernel_options, sco
 
     B, Hq, _, _ = query.get_size()
     _, Hkv, S, _ = key.get_size()
-    check_positive_lengths(query, key)
     mask_varies_over_heads = not sizevars.statically_known_true(sympy.Eq(bm.kv_num_blocks.get_size()[1], 1))
 
     query = realize_fixed(query)

@@ -18,7 +18,7 @@ from .. import _compat
 from .._hop import flex_attention_backward_hop, flex_attention_hop
 from .._mask_tuple import BlockMaskView
 from .backward import lower_backward
-from .common import hint
+from .common import check_positive_lengths, hint
 from .decode import lower_decode
 from .decode_plan import wants_decode_kernel
 from .dense import lower_dense, lower_dense_backward
@@ -38,6 +38,7 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
                          score_mod_buffers=(), mask_mod_buffers=()):
     """The lowering registered for ``flexattn._hop.flex_attention_hop``."""
     inline_scalar_items(score_mod, BlockMaskView(*block_mask).mask_mod)
+    check_positive_lengths(query, key)
     args = (query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers)
     device = query.get_device()
     if use_triton_template(device):
@@ -55,6 +56,7 @@ def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
                                   mask_mod_buffers=()):
     """The lowering registered for ``flexattn._hop.flex_attention_backward_hop``."""
     inline_scalar_items(fw_graph, joint_graph, BlockMaskView(*block_mask).mask_mod)
+    check_positive_lengths(query, key)
     device = query.get_device()
     if use_triton_template(device):
         return lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
