@@ -434,9 +434,11 @@ def dense_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
             cotangents.append(grad_logsumexp)
         leaves = [q, k, v] + [b for b, w in zip(buffers, wants) if w]
         grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True, materialize_grads=True)
+    # Laid out as the fake implementation promises (traced graphs view them by those strides).
+    grad_q, grad_k, grad_v, empty_buffers = _empty_backward_outputs(query, key, value, score_mod_buffers, joint_graph)
     grads_iter = iter(grads[3:])
-    grad_buffers = tuple(next(grads_iter) if w else None for w in wants)
-    return grads[0], grads[1], grads[2], grad_buffers
+    grad_buffers = tuple(empty.copy_(next(grads_iter)) if w else None for empty, w in zip(empty_buffers, wants))
+    return grad_q.copy_(grads[0]), grad_k.copy_(grads[1]), grad_v.copy_(grads[2]), grad_buffers
 
 
 def buffers_with_grad(joint_graph: torch.fx.GraphModule, num_buffers: int) -> list[bool]:

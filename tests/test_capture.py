@@ -186,3 +186,20 @@ def test_eager_call_compiles_once_per_signature():
     scores = q @ k.transpose(-1, -2) / math.sqrt(16)
     ref = torch.softmax(3.0 * torch.tanh(scores / 3.0), -1) @ v
     torch.testing.assert_close(out1, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_eager_backward_grads_have_the_promised_strides():
+    """Under aot_eager the backward operator runs its reference implementation; the
+    traced graph reshapes its gradients by the strides the fake implementation promised
+    (those of q, k, v), so the real ones must have them: transposed projections here."""
+    proj = torch.nn.Linear(32, 96)
+    x = torch.randn(1, 64, 32, requires_grad=True)
+
+    def model(x):
+        q, k, v = (t.reshape(1, 64, 2, 16).transpose(1, 2) for t in proj(x).split(32, dim=2))
+        return flexattn.flex_attention(q, k, v).transpose(1, 2).reshape(1, 64, 32)
+
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    (expected,) = torch.autograd.grad(model(x).square().sum(), x)
+    torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4)
