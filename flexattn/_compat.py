@@ -188,6 +188,15 @@ def dynamo_hop_support():
     )
 
 
+def selective_checkpoint_modes() -> tuple[type, ...]:
+    """torch.utils.checkpoint's dispatch modes of selective activation checkpointing (the
+    one that saves chosen ops' outputs, the one that replays them); a HOP reaches their
+    policy only by forwarding itself into their ``__torch_dispatch__``."""
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    return (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+
+
 def unlimited_recompiles():
     """Lift Dynamo's recompile limit for a block (the eager path compiles per signature)."""
     from torch._dynamo.utils import disable_cache_limit

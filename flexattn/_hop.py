@@ -121,6 +121,16 @@ flex_attention_hop = FlexAttentionHOP()
 flex_attention_backward_hop = FlexAttentionBackwardHOP()
 
 
+def _through_checkpoint_mode(mode, *args, **kwargs):
+    # Selective activation checkpointing decides per op whether to save or recompute;
+    # the operator is one op to it (``ops_to_save=[flex_attention_hop]``).
+    return mode.__torch_dispatch__(flex_attention_hop, [], args, kwargs)
+
+
+for _checkpoint_mode in _compat.selective_checkpoint_modes():
+    flex_attention_hop.py_impl(_checkpoint_mode)(_through_checkpoint_mode)
+
+
 def _check_buffers(name: str, buffers: Sequence) -> None:
     for i, buf in enumerate(buffers):
         if not isinstance(buf, (Tensor, int, float, bool, torch.SymInt, torch.SymFloat)):
