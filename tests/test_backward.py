@@ -293,6 +293,28 @@ def test_captured_tensors_every_index():
     run_case(dtype=torch.float32, B=B, Hq=H, L=n, S=n, make_mods=make, block_size=scaled(16, 128))
 
 
+def test_captured_tensors_indexed_in_steps():
+    """Learnable tensors indexed one dim at a time (``bias[q_idx][kv_idx]``,
+    ``table[h][kv_idx][q_idx]``): their gradient is a scatter of a scatter, one term
+    indexed by all the steps' indices."""
+    B, H, n = 1, 2, scaled(40, 256)
+
+    def make(gen):
+        bufs = [torch.randn(n, n, generator=gen).to(DEVICE), torch.randn(H, n, n, generator=gen).to(DEVICE)]
+
+        def mods_of(b):
+            pair, per_head = b
+
+            def score_mod(score, bi, h, q_idx, kv_idx):
+                return score + pair[q_idx][kv_idx] + per_head[h][kv_idx][q_idx]
+
+            return score_mod, mods.causal_mask
+
+        return mods_of, bufs
+
+    run_case(dtype=torch.float16, B=B, Hq=H, L=n, S=n, make_mods=make, block_size=scaled(16, 128))
+
+
 def test_relative_bias_with_document_mask_gqa():
     n = scaled(64, 640)
     doc = mods.document_mask(_doc_ids(n))

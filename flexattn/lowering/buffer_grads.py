@@ -75,11 +75,20 @@ def _is_zero_fill(node: Any) -> bool:
 
 def _index_put_term(node: torch.fx.Node, buffer_rank: int) -> ScatterTerm | None:
     """``base[indices] += values`` as a ScatterTerm (None unless it accumulates with one
-    tensor index per dimension)."""
+    tensor index per dimension). Chained indexing (``table[q_idx][kv_idx]``) scatters a
+    scatter: the outer index picks a row, the values are the row's own scatter into zeros;
+    the two make one term indexed by both."""
     _, indices, values = node.args[:3]
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    if accumulate and len(indices) == buffer_rank and all(isinstance(i, torch.fx.Node) for i in indices):
+    if not accumulate or not all(isinstance(i, torch.fx.Node) for i in indices):
+        return None
+    if len(indices) == buffer_rank:
         return ScatterTerm(list(indices), values)
+    if 0 < len(indices) < buffer_rank and isinstance(values, torch.fx.Node) and values.op == "call_function" \
+            and values.target in _INDEX_PUTS and _is_zero_fill(values.args[0]):
+        inner = _index_put_term(values, buffer_rank - len(indices))
+        if inner is not None:
+            return ScatterTerm([*indices, *inner.indices], inner.value)
     return None
 
 
