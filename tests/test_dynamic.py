@@ -125,3 +125,64 @@ def test_training_step_over_changing_lengths_with_a_learned_bias(path):
         harness.check_attention(test[:2], ref[:2], golden[:2], torch.float32, max_scores=False, prefix=f"S={S} ")
         harness.check_gradients(test[2], ref[2], golden[2], torch.float32)
     assert counter.frame_count <= (3 if path == "dense" else 2), counter.frame_count
+
+
+def _packed_attention(table, doc_ids):
+    mask_mod = flexattn.and_masks(mods.causal_mask, mods.document_mask(doc_ids))
+
+    def attend(q, k, v, block_mask):
+        out, aux = flexattn.flex_attention(q, k, v, score_mod=mods.relative_bias(table), block_mask=block_mask,
+                                           return_aux=flexattn.AuxRequest(lse=True))
+        return out, aux.lse
+
+    return attend, mask_mod
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param("dense", marks=pytest.mark.skipif(DEVICE != "cpu", reason="the dense path is the CPU one")),
+    "template",
+])
+def test_packed_document_training_loop(path, capsys):
+    """Packed-document training as users write it: each batch brings its own length and
+    document boundaries (doc ids rebuilt, the block mask rebuilt from them outside the
+    compiled step), a learned relative bias per head shared by all steps. Output, lse and
+    every gradient (the bias's too) within the three-way bound at every step; the Triton
+    path compiles at most twice. The recompile count is printed."""
+    if path == "dense":
+        torch._inductor.config.cpu_backend = "cpp"  # undone by the fixture's config patch
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    H, max_len = 2, 160
+    table = harness.randn(harness.generator(7), H, 2 * max_len - 1, device=DEVICE, requires_grad=True)
+
+    def step(q, k, v, table, doc_ids, block_mask):
+        return _packed_attention(table, doc_ids)[0](q, k, v, block_mask)
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    # The dense CPU path compiles every length (it specialises shapes): three are enough there.
+    lengths = (64, 96, 80) if path == "dense" else (64, 96, 128, 80, 160)
+    for i, S in enumerate(lengths):
+        gen = harness.generator(200 + i)
+        cuts = torch.sort(torch.randperm(S - 1, generator=gen)[:3] + 1).values
+        doc_ids = torch.zeros(S, dtype=torch.int32)
+        doc_ids[cuts] = 1
+        doc_ids = doc_ids.cumsum(0).to(torch.int32).to(DEVICE)
+        block_mask = flexattn.create_block_mask(_packed_attention(table, doc_ids)[1], None, None, S, S,
+                                                device=DEVICE, BLOCK_SIZE=32)
+        q, k, v = harness.make_inputs(gen, B=1, Hq=H, L=S, S=S, E=16, dtype=torch.float32, requires_grad=True)
+        grad_out, grad_lse = harness.make_output_grads(gen, q, v, with_lse=True)
+        test = harness.attention_grads(lambda *t: compiled(*t, table, doc_ids, block_mask), (q, k, v),
+                                       grad_out, grad_lse, (table,))
+
+        def reference(q, k, v, table):
+            return _packed_attention(table, doc_ids)[0](q, k, v, block_mask)
+
+        golden, ref = (harness.attention_grads(lambda *t, tb=tb: reference(*t, tb), qkv, grad_out.to(dtype),
+                                               grad_lse, (tb,))
+                       for dtype, qkv, tb in ((torch.float64, harness.copies((q, k, v), torch.float64),
+                                               harness.copies(table, torch.float64)),
+                                              (torch.float32, harness.copies((q, k, v)), harness.copies(table))))
+        harness.check_attention(test[:2], ref[:2], golden[:2], torch.float32, max_scores=False, prefix=f"S={S} ")
+        harness.check_gradients(test[2], ref[2], golden[2], torch.float32)
+    with capsys.disabled():
+        print(f"\npacked-document training ({path}): {counter.frame_count} compiles over {len(lengths)} lengths")
+    assert counter.frame_count <= (len(lengths) if path == "dense" else 2), counter.frame_count
