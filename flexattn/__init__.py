@@ -5,7 +5,7 @@ Write an attention variant as a tiny ``score_mod(score, b, h, q_idx, kv_idx)`` a
 it as fused, block-sparse kernels. The API mirrors ``torch.nn.attention.flex_attention``.
 """
 
-from . import _dynamo_capture
+from . import _dynamo_capture, _logging
 from .api import AuxOutput, AuxRequest, eager_mods, flex_attention
 from .options import FlexKernelOptions
 from .block_mask import (
@@ -22,6 +22,7 @@ from .paged import PagedKVCache
 # Dynamo learns the operator when it is imported, and the Inductor lowerings are
 # registered when Dynamo first captures a call: importing flexattn imports neither.
 _dynamo_capture.register()
+_logging.configure_from_env()
 
 __version__ = "0.1.0"
 

@@ -197,6 +197,13 @@ def selective_checkpoint_modes() -> tuple[type, ...]:
     return (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
 
 
+def compiled_graph_count() -> int:
+    """How many graphs Dynamo has compiled in this process (it grows when a call compiles)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def unlimited_recompiles():
     """Lift Dynamo's recompile limit for a block (the eager path compiles per signature)."""
     from torch._dynamo.utils import disable_cache_limit

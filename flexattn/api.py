@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import math
 import os
 import pathlib
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -33,6 +35,8 @@ from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, flex_attention_hop, identity_score_mod
 from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, _sliced_mask_mod, noop_mask
 from .reference import dense_math
+
+log = logging.getLogger("flexattn.api")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Keys and values may be float8 under a 16- or 32-bit query (quantized KV caches; the
@@ -255,8 +259,16 @@ def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_o
         # Plain autograd through the math: tensors the mods close over get their gradients.
         return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), ())
     backend = _eager_backend(query.device)
+    timed = log.isEnabledFor(logging.INFO)
+    if timed:
+        graphs, started = _compat.compiled_graph_count(), time.perf_counter()
     with _compat.unlimited_recompiles():
-        return _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)
+        result = _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)
+    if timed and _compat.compiled_graph_count() != graphs:
+        log.info("flexattn: compiled the operator for q %s k %s v %s %s on %s (%s backend) in %.2f s; "
+                 "later calls with this signature reuse it", list(query.shape), list(key.shape),
+                 list(value.shape), query.dtype, query.device, backend, time.perf_counter() - started)
+    return result
 
 
 # --------------------------------------------------------------------------------------

@@ -221,7 +221,8 @@ def test_tiles_shrink_to_fit_small_sparse_blocks():
 def test_logger_reports_the_choice(caplog):
     with caplog.at_level(logging.INFO, logger="flexattn.lowering"):
         compile_and_code(mask_mod=mods.causal_mask)
-    assert any("flexattn forward" in r.getMessage() and "BLOCK_M=" in r.getMessage() for r in caplog.records)
+    assert any("flexattn forward" in r.getMessage() and "BLOCK_M=" in r.getMessage() and "lowered in" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_debug_option_logs_at_warning(caplog):

@@ -18,6 +18,7 @@ place (dQ through float32 atomics and a scaling afterwards with DQ_ATOMIC).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import sympy
@@ -117,6 +118,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
                    block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers):
     """grad_query, grad_key, grad_value and the captured tensors' gradients, from the
     backward template."""
+    started = time.perf_counter()
     kernel_options = dict(kernel_options or {})
     sizevars = V.graph.sizevars
     device = query.get_device()
@@ -217,7 +219,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         TEMPLATE_NAME, choices, input_nodes + common.captured_inputs(call) + scatter_grads, dk_layout,
         input_gen_fns=common.benchmark_table_inputs(inputs, tables, call.has_full_blocks))
     common.report_choice("backward", grad_key, config_of_choice, usable, spec, REPORTED_SPECIALISATIONS,
-                         query, key, value, kernel_options)
+                         query, key, value, kernel_options, started=started)
 
     grad_key = grad_key if isinstance(grad_key, ir.TensorBox) else ir.TensorBox(grad_key)
     grad_value = ir.TensorBox(grad_value)

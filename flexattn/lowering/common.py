@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -474,11 +475,12 @@ def _debug_requested(kernel_options: dict[str, Any]) -> bool:
 
 
 def report_choice(kernel: str, node, config_of_choice, usable, spec: dict[str, Any], spec_keys: Sequence[str],
-                  query, key, value, kernel_options: dict[str, Any], details: str = "") -> None:
+                  query, key, value, kernel_options: dict[str, Any], started: float, details: str = "") -> None:
     """Log which tile configuration a call of ``kernel`` got (at WARNING with
     kernel_options DEBUG_CONFIG or FLEXATTN_DEBUG_CONFIG=1, else at INFO): the input
-    shapes, the config (or the candidates when Inductor decides later), ``details`` and
-    the ``spec_keys`` specialisations."""
+    shapes, the config (or the candidates when Inductor decides later), ``details``, the
+    ``spec_keys`` specialisations, and the seconds since ``started`` (a perf_counter
+    reading at the lowering's start: lowering, plus benchmarking under max_autotune)."""
     level = logging.WARNING if _debug_requested(kernel_options) else logging.INFO
     if not log.isEnabledFor(level):
         return
@@ -486,6 +488,8 @@ def report_choice(kernel: str, node, config_of_choice, usable, spec: dict[str, A
     chosen = config_of_choice.get(id(getattr(buffer, "make_kernel_render", None)))
     what = chosen.describe() if chosen is not None else (
         f"decided later by Inductor among {[c.describe() for c in usable]}")
-    log.log(level, "flexattn %s: q %s k %s v %s %s -> %s%s (of %d candidate(s)); specialisations %s",
+    log.log(level, "flexattn %s: q %s k %s v %s %s -> %s%s (of %d candidate(s)), lowered%s in %.2f s; "
+            "specialisations %s",
             kernel, list(query.get_size()), list(key.get_size()), list(value.get_size()), query.get_dtype(),
-            what, details, len(usable), {k: spec[k] for k in spec_keys})
+            what, details, len(usable), " and autotuned" if len(usable) > 1 else "", time.perf_counter() - started,
+            {k: spec[k] for k in spec_keys})

@@ -18,6 +18,7 @@ BlockMask tables and walks every KV position in order.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import sympy
@@ -96,6 +97,7 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
                  score_mod_buffers, mask_mod_buffers):
     """out, lse, max_scores of a short-query call, from the decode kernel (and the merge
     pass)."""
+    started = time.perf_counter()
     kernel_options = dict(kernel_options or {})
     device = query.get_device()
     B, Hq, L, _ = query.get_size()
@@ -172,7 +174,7 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
         out, lse, row_max = _merge(result, buffers["m_part"], buffers["l_part"], query, spec, plan)
     common.report_choice(
         "decode", result, config_of_choice, list(plan.configs), spec, common.REPORTED_SPECIALISATIONS,
-        query, key, value, kernel_options,
+        query, key, value, kernel_options, started=started,
         details=(f", SPLIT_KV={split_kv}, HEADS_PER_TILE={pack.heads_per_tile} BLOCK_Q={pack.block_q} "
                  f"BLOCK_M={pack.block_m}, "
                  + ("one launch (FUSED_MERGE)" if plan.fused_merge else "two launches (merge pass)")))

@@ -10,6 +10,7 @@ dense decomposition (``dense.py``) that Inductor's C++ backend compiles.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 
 import torch
@@ -46,8 +47,12 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
             return lower_decode(*args)
         return lower_forward(*args)
     if device.type == "cpu":
-        log.info("flexattn forward on CPU with cpu_backend=%r: dense decomposition", _compat.inductor_cpu_backend())
-        return lower_dense(*args)
+        started = time.perf_counter()
+        result = lower_dense(*args)
+        log.info("flexattn forward on CPU with cpu_backend=%r: dense decomposition, q %s k %s v %s, lowered in "
+                 "%.2f s", _compat.inductor_cpu_backend(), list(query.get_size()), list(key.get_size()),
+                 list(value.get_size()), time.perf_counter() - started)
+        return result
     raise NotImplementedError(f"flexattn: no forward kernel for device type {device.type!r}")
 
 
@@ -62,9 +67,12 @@ def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
         return lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
                               block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers)
     if device.type == "cpu":
-        log.info("flexattn backward on CPU with cpu_backend=%r: dense decomposition", _compat.inductor_cpu_backend())
-        return lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
-                                    joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers)
+        started = time.perf_counter()
+        result = lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
+                                      joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers)
+        log.info("flexattn backward on CPU with cpu_backend=%r: dense decomposition, lowered in %.2f s",
+                 _compat.inductor_cpu_backend(), time.perf_counter() - started)
+        return result
     raise NotImplementedError(f"flexattn: no backward kernel for device type {device.type!r}")
 
 

@@ -8,6 +8,8 @@ output and, in place, the log-sum-exp and row maxima.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import ir
@@ -47,6 +49,7 @@ forward_template = TritonTemplate(
 def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_options,
                   score_mod_buffers, mask_mod_buffers):
     """out, lse, max_scores of a forward call, from the forward template."""
+    started = time.perf_counter()
     kernel_options = dict(kernel_options or {})
     device = query.get_device()
     dtype = query.get_dtype()
@@ -102,5 +105,5 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
         input_gen_fns=common.benchmark_table_inputs(inputs, tables, call.has_full_blocks))
 
     common.report_choice("forward", out, config_of_choice, usable, spec, common.REPORTED_SPECIALISATIONS,
-                         query, key, value, kernel_options)
+                         query, key, value, kernel_options, started=started)
     return out, ir.TensorBox(lse), ir.TensorBox(row_max)

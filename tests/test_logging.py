@@ -1,0 +1,43 @@
+"""Feedback on long work: FLEXATTN_LOG=info prints what flexattn compiles and how long it
+took; without it flexattn prints nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent("""
+    import torch
+    import flexattn
+    q = torch.randn(1, 2, 64, 16)
+    flexattn.flex_attention(q, q, q)
+    flexattn.flex_attention(q, q, q)  # the same signature: no second compile line
+    torch.compile(flexattn.flex_attention)(q, q, q, score_mod=flexattn.mods.alibi(2))
+""")
+
+
+def _run(env_value):
+    env = {k: v for k, v in os.environ.items() if k != "FLEXATTN_LOG"}
+    env["TRITON_INTERPRET"] = "0"
+    if env_value is not None:
+        env["FLEXATTN_LOG"] = env_value
+    return subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_flexattn_log_info_reports_compiles_with_their_time():
+    done = _run("info")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("[flexattn ")]
+    compiled = [line for line in lines if "compiled the operator for q [1, 2, 64, 16]" in line]
+    assert len(compiled) == 1 and " s; later calls" in compiled[0], lines
+    assert any("dense decomposition" in line and "lowered in" in line for line in lines), lines
+
+
+def test_silent_by_default_and_bad_values_warn():
+    done = _run(None)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not [line for line in done.stderr.splitlines() if line.startswith("[flexattn ")]
+    done = _run("loud")
+    assert done.returncode == 0 and "FLEXATTN_LOG must be one of" in done.stderr
