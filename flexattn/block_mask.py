@@ -32,7 +32,9 @@ chunk is evaluated with ``torch.vmap`` over the four index axes (the same callin
 convention the kernels use, so a mask_mod that works here works there) and immediately
 reduced to per-block ``any`` / ``all`` flags; only those (B, H, QB, KVB) flags are kept.
 Peak memory is therefore the chunk budget plus the block flags, whatever the sequence
-length.
+length. Traced by torch.compile (``torch.compile(create_block_mask)``, or model code that
+calls it), the grid is evaluated in one piece instead, with no branch on a size, so one
+graph serves every B, H and length (see ``_traced_block_flags``).
 
 Edge blocks: when a length is not a multiple of its block size, a tile hangs over the
 end; its positions past the end hold no query or key (the kernels mask them by bounds
@@ -61,6 +63,7 @@ from .reference import IndexWithTensors, kv_block_columns, listed_grid, vmap_ove
 
 __all__ = [
     "BlockMask",
+    "BlockMaskArgumentError",
     "COMPILE_BACKEND",
     "DEFAULT_BLOCK_SIZE",
     "BYTES_PER_MASK_ELEMENT",
@@ -192,6 +195,15 @@ def _required_positional_count(fn: Callable[..., Any]) -> int | None:
     return count
 
 
+def _code_arity(fn: Any) -> int | None:
+    """_required_positional_count of a plain function, read from its code object (which
+    Dynamo can trace); None for other callables (methods, partials, objects) and *args."""
+    code = getattr(fn, "__code__", None)
+    if code is None or inspect.ismethod(fn) or code.co_flags & inspect.CO_VARARGS:
+        return None
+    return code.co_argcount - len(fn.__defaults__ or ())
+
+
 def _mod_arity(fn: Any, argument: str) -> int:
     """Validate a score_mod/mask_mod and return its arity (4: mask_mod, 5: score_mod)."""
     if not callable(fn):
@@ -199,7 +211,14 @@ def _mod_arity(fn: Any, argument: str) -> int:
             f"{argument} must be a callable mask_mod(b, h, q_idx, kv_idx) or "
             f"score_mod(score, b, h, q_idx, kv_idx), got {type(fn).__name__}: {fn!r}"
         )
-    arity = _required_positional_count(fn)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace inspect.signature. Other callables than plain functions
+        # are taken as mask_mods: Dynamo checks the call when it traces the mod.
+        arity = _code_arity(fn)
+        if arity is None:
+            return _MASK_MOD_ARITY
+    else:
+        arity = _required_positional_count(fn)
     if arity not in (_MASK_MOD_ARITY, _SCORE_MOD_ARITY):
         received = "a variable number (*args)" if arity is None else str(arity)
         raise TypeError(
@@ -250,15 +269,40 @@ def _index_vectors(B: int, H: int, q_start: int, q_stop: int, KV_LEN: int, devic
     return arange(0, B), arange(0, H), arange(q_start, q_stop), arange(0, KV_LEN)
 
 
+def _cell_steps(rows: int, cols: int, grid_size: int | tuple[int, int]) -> tuple[int, int]:
+    """Blocks per picture cell (down, across) so that a (rows, cols) block grid fits in
+    ``grid_size`` cells (an int for both axes; -1: one cell per block)."""
+    if grid_size == -1:
+        max_rows, max_cols = rows, cols
+    elif isinstance(grid_size, int):
+        max_rows = max_cols = grid_size
+    else:
+        max_rows, max_cols = grid_size
+    return max(1, _cdiv(rows, max(1, max_rows))), max(1, _cdiv(cols, max(1, max_cols)))
+
+
+def _picture_rows(grid: Tensor, row_step: int, col_step: int, cell: Callable[[Tensor], str]) -> list[str]:
+    """One string per cell row of a (rows, cols) block grid; each cell, ``cell`` of its
+    group of blocks, drawn two characters wide so that the picture looks square."""
+    rows, cols = grid.shape
+    return [
+        "".join(cell(grid[r : r + row_step, c : c + col_step]) * 2 for c in range(0, cols, col_step))
+        for r in range(0, rows, row_step)
+    ]
+
+
 def _check_positive_int(value: Any, argument: str, allow_none: bool = False) -> Any:
     """``value`` as a Python int (a NumPy integer too), or None where allowed; a
-    ValueError naming ``argument`` for anything else."""
+    ValueError naming ``argument`` for anything else. A SymInt (a size traced by
+    torch.compile, e.g. ``q.size(-2)``) is kept symbolic, so the trace is not
+    specialized to its value."""
     if allow_none and value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, numbers.Integral)) or value < 1:
+    integral = isinstance(value, (int, numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
+    if not integral or value < 1:
         expected = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"{argument} must be {expected}, got {value!r}")
-    return value if isinstance(value, int) else int(value)
+    return value if isinstance(value, (int, torch.SymInt)) else int(value)
 
 
 def create_mask(
@@ -459,12 +503,48 @@ def _evaluate_chunk(
     use_words: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Evaluate ``mask_mod`` on one chunk of the grid and reduce it to block flags."""
+    return _block_flags(_evaluate_mask(mask_mod, b, h, q, kv), q_block, kv_block, use_words=use_words)
+
+
+def _evaluate_mask(mask_mod: MaskMod, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    """``_evaluate_mod`` of a mask_mod, which must give bools."""
     allowed = _evaluate_mod(mask_mod, b, h, q, kv)
     if allowed.dtype != torch.bool:
         raise TypeError(
             f"mask_mod {_mod_name(mask_mod)} must return a bool tensor, got {allowed.dtype}"
         )
-    return _block_flags(allowed, q_block, kv_block, use_words=use_words)
+    return allowed
+
+
+def _traced_block_flags(
+    mask_mod: MaskMod, B: Any, H: Any, Q_LEN: Any, KV_LEN: Any, device: torch.device, q_block: int, kv_block: int
+) -> tuple[Tensor, Tensor]:
+    """Block (any, all) flags (B, H, QB, KVB) of the whole grid in one evaluation, for
+    create_block_mask traced by torch.compile.
+
+    Dynamo would unroll the chunk loop, and its trip counts and the short edge tiles
+    guard on the exact sizes, so every new B, H or length would recompile (and a long
+    grid would trace for minutes). Here nothing branches on a size: the grid is padded
+    to whole tiles, padded positions are evaluated at the last real index (mask_mod
+    never sees an index out of range) and then left out of the reduction, so one trace
+    serves all sizes and takes them symbolically. The element mask is built whole, as
+    torch's create_block_mask does; Inductor fuses it into the reduction.
+    """
+    QB, KVB = _cdiv(Q_LEN, q_block), _cdiv(KV_LEN, kv_block)
+    q = torch.arange(QB * q_block, device=device)
+    kv = torch.arange(KVB * kv_block, device=device)
+    b, h = torch.arange(B, device=device), torch.arange(H, device=device)
+    allowed = _evaluate_mask(mask_mod, b, h, q.clamp(max=Q_LEN - 1), kv.clamp(max=KV_LEN - 1))
+    inside = (q < Q_LEN).unsqueeze(-1) & (kv < KV_LEN)
+
+    def per_tile(flags: Tensor) -> Tensor:
+        return flags.view(*flags.shape[:2], QB, q_block, KVB, kv_block)
+
+    # Padded positions count as masked for "any" and as allowed for "all": a tile
+    # hanging over an end is judged by the positions it holds, as in the eager path.
+    any_blocks = per_tile(allowed & inside).any(-1).any(-2)
+    all_blocks = per_tile(allowed | ~inside).all(-1).all(-2)
+    return any_blocks, all_blocks
 
 
 def _compiled_chunk_evaluator_uncached(backend: str):
@@ -502,7 +582,11 @@ def _compute_block_flags(
     kv_block: int,
     compile_chunks: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Block (any, all) flags (B, H, QB, KVB) of ``mask_mod``, evaluated chunk by chunk."""
+    """Block (any, all) flags (B, H, QB, KVB) of ``mask_mod``, evaluated chunk by chunk
+    (in one piece when traced by torch.compile: see _traced_block_flags)."""
+    if torch.compiler.is_compiling():
+        with torch.no_grad():
+            return _traced_block_flags(mask_mod, B, H, Q_LEN, KV_LEN, device, q_block, kv_block)
     QB, KVB = _cdiv(Q_LEN, q_block), _cdiv(KV_LEN, kv_block)
     any_blocks = torch.empty(B, H, QB, KVB, dtype=torch.bool, device=device)
     all_blocks = torch.empty(B, H, QB, KVB, dtype=torch.bool, device=device)
@@ -510,11 +594,7 @@ def _compute_block_flags(
     if compile_chunks:
         evaluate_chunk = functools.partial(_compiled_chunk_evaluator(), mask_mod)
     else:
-        # Traced by a caller's torch.compile, the word view is a bool -> uint8 dtype view,
-        # which Inductor cannot lower; the plain reduction fuses there anyway.
-        evaluate_chunk = functools.partial(
-            _evaluate_chunk, mask_mod, use_words=not torch.compiler.is_compiling()
-        )
+        evaluate_chunk = functools.partial(_evaluate_chunk, mask_mod)
 
     budget = max(1, MASK_CHUNK_BYTES // BYTES_PER_MASK_ELEMENT)
     batches, heads, q_blocks = _chunk_plan(B, H, QB, q_block, KV_LEN, budget)
@@ -558,6 +638,30 @@ def _normalize_block_size(BLOCK_SIZE: Any) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def _as_length(value: Any) -> Any:
+    """A sequence length as an int; a SymInt stays one (int() would specialize a trace
+    of create_block_mask to the length it was first called with)."""
+    return value if isinstance(value, torch.SymInt) else int(value)
+
+
+class BlockMaskArgumentError(ValueError, AssertionError):
+    """A BlockMask was given one tensor of a (num_blocks, indices) pair without the other.
+
+    It is a ValueError, like flexattn's other argument errors, and an AssertionError,
+    which is what torch's BlockMask raises for the same call, so code catching either
+    keeps working.
+    """
+
+
+def _check_pair(num_name: str, num_blocks: Any, indices_name: str, indices: Any) -> None:
+    if (num_blocks is None) != (indices is None):
+        given, missing = (num_name, indices_name) if indices is None else (indices_name, num_name)
+        raise BlockMaskArgumentError(
+            f"{num_name} and {indices_name} must be given together or both be None; "
+            f"got {given} without {missing}"
+        )
+
+
 def _check_kv_lists(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any, full_kv_indices: Any) -> None:
     """Shape checks of the per-query-block KV lists (BlockMask and from_kv_blocks)."""
     if not isinstance(kv_indices, Tensor) or kv_indices.dim() < 2:
@@ -570,10 +674,7 @@ def _check_kv_lists(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any
             f"kv_num_blocks must have shape kv_indices.shape[:-1] = "
             f"{tuple(kv_indices.shape[:-1])}, got {getattr(kv_num_blocks, 'shape', kv_num_blocks)!r}"
         )
-    if (full_kv_num_blocks is None) != (full_kv_indices is None):
-        raise ValueError(
-            "full_kv_num_blocks and full_kv_indices must be given together or both be None"
-        )
+    _check_pair("full_kv_num_blocks", full_kv_num_blocks, "full_kv_indices", full_kv_indices)
     for name, indices in (("kv_indices", kv_indices), ("full_kv_indices", full_kv_indices)):
         # The kernels read a row's first entry whatever its count (a zero-width row
         # would be read out of bounds); a tensor without rows has nothing to read.
@@ -663,11 +764,8 @@ class BlockMask:
         mask_mod: MaskMod | None = None,
     ) -> None:
         _check_kv_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
-        if (full_q_num_blocks is None) != (full_q_indices is None):
-            raise ValueError(
-                "full_q_num_blocks and full_q_indices must be given together or both be None"
-            )
-        self.seq_lengths = (int(seq_lengths[0]), int(seq_lengths[1]))
+        _check_pair("full_q_num_blocks", full_q_num_blocks, "full_q_indices", full_q_indices)
+        self.seq_lengths = (_as_length(seq_lengths[0]), _as_length(seq_lengths[1]))
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
         self.full_kv_num_blocks = full_kv_num_blocks
@@ -805,17 +903,11 @@ class BlockMask:
         has more than ``grid_size`` rows/cols (``grid_size=-1``: one cell per block):
         '█' all blocks of the group are full, ' ' all are empty, '░' anything else
         (partial blocks, or a mix). Query blocks run down, KV blocks across.
+        ``str(block_mask)`` draws torch's picture instead (see ``__str__``).
         """
         kinds = self._block_kinds().cpu()
         *batch_dims, rows, cols = kinds.shape
-        if grid_size == -1:
-            max_rows, max_cols = rows, cols
-        elif isinstance(grid_size, int):
-            max_rows = max_cols = grid_size
-        else:
-            max_rows, max_cols = grid_size
-        row_step = max(1, _cdiv(rows, max(1, max_rows)))
-        col_step = max(1, _cdiv(cols, max(1, max_cols)))
+        row_step, col_step = _cell_steps(rows, cols, grid_size)
 
         def cell(group: Tensor) -> str:
             if bool((group == 2).all()):
@@ -828,28 +920,47 @@ class BlockMask:
             f"{_FULL_CHAR} full  {_PARTIAL_CHAR} partial  '{_EMPTY_CHAR}' empty; "
             f"one cell = {row_step}x{col_step} blocks of {self.BLOCK_SIZE[0]}x{self.BLOCK_SIZE[1]}"
         ]
-        picture_count = 0
-        for batch_index in itertools.product(*(range(n) for n in batch_dims)):
-            if picture_count == limit:
+        for count, batch_index in enumerate(itertools.product(*(range(n) for n in batch_dims))):
+            if count == limit:
                 lines.append(
                     f"... ({math.prod(batch_dims) - limit} more; raise limit= or index the "
                     f"BlockMask, e.g. block_mask[b, h], to see others)"
                 )
                 break
-            grid = kinds[batch_index]
             label = ", ".join(f"{name}={i}" for name, i in zip(("b", "h", "d2", "d3"), batch_index))
             lines.append(f"[{label}]" if label else "[]")
             border = "+" + "-" * (2 * _cdiv(cols, col_step)) + "+"
             lines.append(border)
-            for r in range(0, rows, row_step):
-                row_chars = [
-                    cell(grid[r : r + row_step, c : c + col_step]) * 2
-                    for c in range(0, cols, col_step)
-                ]
-                lines.append("|" + "".join(row_chars) + "|")
+            lines.extend("|" + row + "|" for row in _picture_rows(kinds[batch_index], row_step, col_step, cell))
             lines.append(border)
-            picture_count += 1
         return "\n".join(lines)
+
+    def _computed_blocks_picture(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """The pictures of ``__str__``: per (batch, head), its index tuple on a line, then
+        one line per cell row with '█' where all blocks of the cell are computed (partial
+        or full), ' ' where none is, '░' for a mix; pictures separated by a blank line."""
+        computed = self.to_dense().cpu().bool()
+        *batch_dims, rows, cols = computed.shape
+        row_step, col_step = _cell_steps(rows, cols, grid_size)
+
+        def cell(group: Tensor) -> str:
+            if bool(group.all()):
+                return _FULL_CHAR
+            if not bool(group.any()):
+                return _EMPTY_CHAR
+            return _PARTIAL_CHAR
+
+        pictures = []
+        for count, batch_index in enumerate(itertools.product(*(range(n) for n in batch_dims))):
+            if count == limit:
+                pictures.append(
+                    f"...\n{math.prod(batch_dims) - limit} more not shown: index the BlockMask "
+                    f"(block_mask[b, h]) or call to_string(limit=...) to see them"
+                )
+                break
+            grid_rows = _picture_rows(computed[batch_index], row_step, col_step, cell)
+            pictures.append(f"{batch_index}\n" + "".join(row + "\n" for row in grid_rows))
+        return "\n".join(pictures)
 
     def __repr__(self) -> str:
         rows, cols = self.kv_indices.shape[-2], self._kv_columns()
@@ -870,10 +981,19 @@ class BlockMask:
         )
 
     def __str__(self) -> str:
+        """torch's text form of a BlockMask, so that expected strings written against
+        torch's match: the shape and sparsity on the first line, then up to four
+        pictures of which blocks are computed (each headed by its batch index tuple),
+        then ``)``. Its cells do not tell full from partial blocks; ``to_string()`` draws
+        flexattn's picture, which does. Two things differ from torch's text: the text
+        after ``...`` when pictures are left out, and the sparsity where a length is not
+        a multiple of its block size (flexattn counts skipped blocks of the grid, torch
+        counts blocks times BLOCK_SIZE against the positions, which overhanging tiles
+        exceed).
+        """
         return (
-            f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
-            f"sparsity={self.sparsity():.2f}%, mask_mod={_mod_name(self.mask_mod)})\n"
-            + self.to_string()
+            f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n"
+            f"{self._computed_blocks_picture().strip()}\n)"
         )
 
     def __getitem__(self, index: Any) -> BlockMask:

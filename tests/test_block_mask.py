@@ -341,7 +341,38 @@ def test_repr_and_str_tell_what_the_mask_holds():
     ]:
         assert expected in text
     assert str(mask).startswith("BlockMask(shape=(2, 4, 1000, 1000)")
-    assert "|" in str(mask)
+
+
+@pytest.mark.parametrize(
+    "B, H, Q, KV, block_size",
+    [(1, 1, 2048, 2048, 128), (2, 2, 1024, 512, (128, 64)), (None, 3, 2048, 1024, 32), (2, 1, 256, 4096, 128)],
+    ids=["causal-16x16", "4-pictures", "grouped-cells", "wide"],
+)
+def test_str_is_torchs_text_character_for_character(B, H, Q, KV, block_size):
+    """str() draws torch's picture (computed vs skipped blocks, no borders or legend), so
+    expected strings written against torch's BlockMask hold; to_string keeps flexattn's.
+    The lengths are block multiples: for others the two sparsity figures differ."""
+    mask_mod = MASK_CASES["head_dependent"](B, H, Q, KV)
+    ours, theirs = _both(mask_mod, B, H, Q, KV, block_size)
+    assert str(ours) == str(theirs)
+    assert ours.to_string().startswith("█ full  ░ partial")
+
+
+def test_str_of_the_upstream_causal_example():
+    text = str(create_block_mask(causal_mask, 1, 1, 2048, 2048, device=CPU))
+    lines = text.splitlines()
+    assert lines[0] == "BlockMask(shape=(1, 1, 2048, 2048), sparsity=46.88%, "
+    assert lines[1] == "(0, 0)" and lines[-1] == ")"
+    assert lines[2:-1] == ["█" * (2 * r) + " " * (32 - 2 * r) for r in range(1, 17)]
+
+
+def test_str_lists_four_pictures_then_says_how_to_see_the_rest():
+    mask_mod = MASK_CASES["head_dependent"](8, 1, 512, 512)
+    ours, theirs = _both(mask_mod, 8, 1, 512, 512)
+    head, _, rest = str(ours).partition("\n...\n")
+    assert head == str(theirs).partition("\n...\n")[0]
+    assert [line for line in head.splitlines() if line.startswith("(")] == [f"({b}, 0)" for b in range(4)]
+    assert rest.startswith("4 more not shown") and rest.endswith("\n)")
 
 
 @pytest.mark.parametrize(
@@ -434,6 +465,27 @@ def test_from_kv_blocks_defaults_and_validation():
         BlockMask.from_kv_blocks(num[0, 0], idx[0, 0, 0])
     with pytest.raises(ValueError, match="BLOCK_SIZE"):
         BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(64, -1))
+
+
+@pytest.mark.parametrize("given, missing", [
+    ("full_kv_num_blocks", "full_kv_indices"), ("full_kv_indices", "full_kv_num_blocks"),
+    ("full_q_num_blocks", "full_q_indices"), ("full_q_indices", "full_q_num_blocks"),
+])
+def test_half_of_a_block_list_pair_is_a_value_and_an_assertion_error(given, missing):
+    """torch's BlockMask raises AssertionError here, flexattn's argument errors are
+    ValueErrors: the error is both, so code written against either catches it."""
+    num = torch.tensor([[[1]]], dtype=torch.int32)
+    idx = torch.tensor([[[[1, 0]]]], dtype=torch.int32)
+    fields = dict(kv_num_blocks=num, kv_indices=idx, full_kv_num_blocks=None, full_kv_indices=None,
+                  q_num_blocks=num, q_indices=idx, full_q_num_blocks=None, full_q_indices=None)
+    fields[given] = num if given.endswith("num_blocks") else idx
+    message = f"must be given together or both be None; got {given} without {missing}"
+    for expected in (bm.BlockMaskArgumentError, ValueError, AssertionError):
+        with pytest.raises(expected, match=message):
+            BlockMask(seq_lengths=(1, 1), **fields, BLOCK_SIZE=(64, 64), mask_mod=noop_mask)
+    if given.startswith("full_kv"):
+        with pytest.raises(AssertionError, match=message):
+            BlockMask.from_kv_blocks(num, idx, **{given: fields[given]})
 
 
 def test_zero_width_index_rows_are_rejected():
@@ -656,3 +708,95 @@ def test_create_block_mask_traced_by_torch_compile(device):
         traced = torch.compile(create_block_mask)(causal_mask, 2, 1, length, length, device=device)
         for name in BlockMask._TENSOR_FIELDS:
             torch.testing.assert_close(getattr(traced, name), getattr(eager, name), msg=name)
+
+
+@pytest.mark.parametrize("case", ["causal", "document_per_batch", "head_dependent", "some_rows_empty", "all_false"])
+@pytest.mark.parametrize("size", [(1, 1), (129, 129), (1000, 129), (300, 700)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("block_size", [(128, 128), (64, 128), (128, 32)], ids=str)
+def test_whole_grid_flags_of_a_trace_equal_the_chunked_ones(case, size, block_size):
+    """The branch-free evaluation create_block_mask uses under torch.compile (padded to
+    whole tiles, padding clamped to the last index and left out) gives the chunked
+    eager flags, hanging edge tiles included. It is plain torch, so it runs eagerly."""
+    Q, KV = size
+    mask_mod = MASK_CASES[case](2, 3, Q, KV)
+    traced = bm._traced_block_flags(mask_mod, 2, 3, Q, KV, torch.device(CPU), *block_size)
+    chunked = bm._compute_block_flags(mask_mod, 2, 3, Q, KV, torch.device(CPU), *block_size, compile_chunks=False)
+    assert torch.equal(traced[0], chunked[0]) and torch.equal(traced[1], chunked[1])
+
+
+def test_create_block_mask_takes_symbolic_lengths_in_a_fullgraph_trace():
+    """Lengths taken from tensor sizes are SymInts under dynamic=True: no signature
+    check (Dynamo cannot trace inspect.signature), no int() that would specialize them,
+    no branch on them; the mask equals the eager one for tile and non-tile lengths."""
+    from torch._dynamo.testing import CompileCounter
+
+    def build(q, k):
+        frame = 32
+        q_len, kv_len = q.size(-2), k.size(-2)
+
+        def limited(b, h, q_idx, kv_idx):
+            return (q_idx < (q_len // frame + kv_len // frame) * frame) & (kv_idx <= q_idx)
+
+        return create_block_mask(limited, B=q.size(0), H=q.size(1), Q_LEN=q_len, KV_LEN=kv_len, device=CPU)
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(build, fullgraph=True, dynamic=True, backend=counter)
+    for q_len, kv_len in [(192, 128), (160, 96), (300, 1000), (1000, 600), (129, 257)]:
+        q, k = torch.empty(1, 2, q_len, 8), torch.empty(1, 2, kv_len, 8)
+        traced = compiled(q, k)
+        assert traced.seq_lengths == (q_len, kv_len)
+        assert_same_block_mask(traced, build(q, k))
+    # PyTorch's layout rules treat dims of size 1 apart, so going from one KV block to
+    # several recompiles once; nothing else does.
+    assert counter.frame_count == 2
+
+
+def test_create_block_mask_with_symbolic_batch_compiles_once():
+    """dynamic=True makes B symbolic; a mask_mod indexing a captured (B, Q) table by b
+    and q_idx traces once for every batch size (upstream test_free_symbol_dynamic)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for batch in [4, 16, 32]:
+        table = torch.rand(batch, 256, generator=torch.Generator().manual_seed(batch)) < 0.5
+
+        def drop_rows(b, h, q_idx, kv_idx):
+            return ~table[b, q_idx]
+
+        build = torch.compile(create_block_mask, dynamic=True, backend=counter)
+        traced = build(B=batch, BLOCK_SIZE=128, mask_mod=drop_rows, H=None, Q_LEN=256, KV_LEN=256, device=CPU)
+        assert_same_block_mask(traced, create_block_mask(drop_rows, batch, None, 256, 256, device=CPU))
+    assert counter.frame_count == 1
+
+
+def test_compiled_create_block_mask_recompiles_once_then_serves_every_size():
+    """torch.compile(create_block_mask) compiles for the first sizes, once more with
+    dynamic sizes, then no more (upstream test_compiling_create_block_mask_no_recompile):
+    nothing in the trace branches on B, H or the lengths, and seq_lengths stay SymInts."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    for args in [(2, 4, 256, 256), (4, 8, 512, 384), (6, 16, 768, 640), (3, 5, 300, 200)]:
+        traced = torch.compile(create_block_mask, backend=counter)(causal_mask, *args, device=CPU)
+        assert_same_block_mask(traced, create_block_mask(causal_mask, *args, device=CPU))
+        assert traced.seq_lengths == args[2:] and all(type(n) is int for n in traced.seq_lengths)
+    assert counter.frame_count == 2
+
+
+def test_create_mask_and_create_block_mask_tell_mods_apart_under_torch_compile():
+    """Traced, the arity comes from the function's code object (Dynamo cannot trace
+    inspect.signature): create_mask still tells a score_mod from a mask_mod, and
+    create_block_mask still rejects a score_mod."""
+
+    def bias_or_mask(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, score + 1, -float("inf"))
+
+    torch._dynamo.reset()
+    for mod in (causal_mask, bias_or_mask):
+        traced = torch.compile(create_mask, fullgraph=True, backend="eager")(mod, 2, 1, 100, 70, device=CPU)
+        assert torch.equal(traced, create_mask(mod, 2, 1, 100, 70, device=CPU))
+    with pytest.raises(TypeError, match="bias_or_mask takes 5, i.e. it is a score_mod"):
+        torch.compile(create_block_mask, backend="eager")(bias_or_mask, 2, 1, 100, 70, device=CPU)
