@@ -393,6 +393,9 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
         # q, k and v were checked in api.flex_attention: here it is a score_mod buffer.
         raise MissingQBlocksError(NO_Q_BLOCKS_ERROR.format(what="a tensor captured by score_mod"))
     fw_graph, joint_graph = build_score_mod_graphs(score_mod, query, score_mod_buffers)
+    # The backward reads the forward's lse, also when only a captured tensor wants a
+    # gradient (the API decides OUTPUT_LOGSUMEXP from q, k and v alone).
+    kernel_options = {**kernel_options, "OUTPUT_LOGSUMEXP": True}
     return FlexAttentionAutogradOp.apply(
         query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
         tuple(mask_mod_buffers), *score_mod_buffers,

@@ -687,3 +687,26 @@ def test_captured_tensor_of_another_dtype(q_dtype, bias_dtype):
         harness.check_three_way(name, t, r, g, q_dtype, floor=floor)
     harness.check_three_way("grad_bias", test[1][3], ref[1][3], golden[1][3], bias_dtype,
                             ratio=harness.CAPTURED_GRAD_RATIO, floor=floor and max(floor, harness.ATOL_FLOOR[bias_dtype]))
+
+
+@pytest.mark.parametrize("default_mask", [True, False], ids=["default_mask", "block_mask"])
+def test_only_a_captured_tensor_wants_a_gradient(default_mask):
+    """q, k and v frozen, a learnable bias training alone (a frozen model with a tuned
+    bias): the backward still has the forward's lse to read (the API had asked for none)."""
+    n = scaled(48, 300)
+    gen = harness.generator(9)
+    q, k, v = harness.make_inputs(gen, B=1, Hq=2, L=n, S=n, E=16, dtype=torch.float32)
+    bias = harness.randn(gen, n, requires_grad=True)
+    mask = None if default_mask else create_block_mask(noop_mask, None, None, n, n, device=DEVICE,
+                                                       BLOCK_SIZE=scaled(16, 128))
+
+    def loss(fn, q, k, v, bias):
+        return fn(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[j], block_mask=mask).square().sum()
+
+    (got,) = torch.autograd.grad(loss(torch.compile(flexattn.flex_attention), q, k, v, bias), bias)
+    with flexattn.eager_mods():
+        (ref,) = torch.autograd.grad(loss(flexattn.flex_attention, q, k, v, bias), bias)
+        golden_bias = bias.detach().double().requires_grad_(True)
+        (golden,) = torch.autograd.grad(loss(flexattn.flex_attention, q.double(), k.double(), v.double(),
+                                             golden_bias), golden_bias)
+    harness.check_three_way("grad_bias", got, ref, golden, torch.float32, ratio=harness.CAPTURED_GRAD_RATIO)
