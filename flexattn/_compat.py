@@ -288,6 +288,8 @@ __all__ = [
     "graph_zeroed_workspace",
     "hop_init_kwargs",
     "inductor_cpu_backend",
+    "selective_checkpoint_modes",
+    "compiled_graph_count",
     "make_fx",
     "pytree",
     "reenable_autograd",

@@ -174,9 +174,3 @@ def test_zero_length_under_compile_raises_torchs_error():
     with pytest.raises(torch._inductor.exc.InductorError, match="Query length must be greater than 0"):
         torch.compile(_call, fullgraph=True)(q, k, v)
 
-
-def test_return_lse_warns_on_every_call():
-    q, k, v = _qkv()
-    for _ in range(2):
-        with pytest.warns(FutureWarning, match="return_lse is deprecated"):
-            _call(q, k, v, return_lse=True)

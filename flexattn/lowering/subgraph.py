@@ -194,6 +194,10 @@ def gathered_tile_bytes(graph_module: torch.fx.GraphModule, n_scalar_args: int) 
         example = buffer.meta.get("val")
         size = example.element_size() if isinstance(example, torch.Tensor) else 4
         for user in buffer.users:
+            # Indexing in steps (bias[q_idx][kv_idx]) gathers at the end of the chain.
+            while len(user.users) == 1 and next(iter(user.users)).target is torch.ops.aten.index.Tensor \
+                    and next(iter(user.users)).args[0] is user:
+                user = next(iter(user.users))
             if depends_on(user, {q_idx}) and depends_on(user, {kv_idx}):
                 total += size
     return total
