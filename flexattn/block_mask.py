@@ -50,8 +50,10 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import math
 import numbers
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +62,10 @@ from torch import Tensor
 
 from ._compat import pytree
 from .reference import IndexWithTensors, kv_block_columns, listed_grid, vmap_over_bhmn
+
+log = logging.getLogger("flexattn.block_mask")
+#: create_block_mask builds at least this long are logged (at INFO, see flexattn/_logging.py).
+LONG_BUILD_SECONDS = 0.5
 
 __all__ = [
     "BlockMask",
@@ -1205,12 +1211,18 @@ def create_block_mask(
     B = 1 if B is None else B
     H = 1 if H is None else H
     device = _resolve_device(device)
+    timed = not torch.compiler.is_compiling() and log.isEnabledFor(logging.INFO)
+    started = time.perf_counter() if timed else 0.0
     any_blocks, all_blocks = _compute_block_flags(
         mask_mod, B, H, Q_LEN, KV_LEN, device, *block_size, compile_chunks=_compile
     )
-    return _from_block_flags(
+    mask = _from_block_flags(
         any_blocks & ~all_blocks, all_blocks, (Q_LEN, KV_LEN), block_size, mask_mod
     )
+    if timed and time.perf_counter() - started >= LONG_BUILD_SECONDS:
+        log.info("flexattn: create_block_mask(%s) for B=%s H=%s Q_LEN=%s KV_LEN=%s BLOCK_SIZE=%s on %s took %.2f s",
+                 _mod_name(mask_mod), B, H, Q_LEN, KV_LEN, block_size, device, time.perf_counter() - started)
+    return mask
 
 
 # --------------------------------------------------------------------------------------

@@ -41,3 +41,16 @@ def test_silent_by_default_and_bad_values_warn():
     assert not [line for line in done.stderr.splitlines() if line.startswith("[flexattn ")]
     done = _run("loud")
     assert done.returncode == 0 and "FLEXATTN_LOG must be one of" in done.stderr
+
+
+def test_long_create_block_mask_builds_are_logged(caplog, monkeypatch):
+    import logging
+
+    import flexattn
+    import flexattn.block_mask as block_mask
+
+    monkeypatch.setattr(block_mask, "LONG_BUILD_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="flexattn.block_mask"):
+        flexattn.create_block_mask(flexattn.mods.causal_mask, 2, 1, 96, 96, device="cpu", BLOCK_SIZE=32)
+    assert any("create_block_mask(causal_mask) for B=2 H=1 Q_LEN=96 KV_LEN=96" in r.getMessage() and " s" in
+               r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
