@@ -37,12 +37,12 @@ calls it), the grid is evaluated in one piece instead, with no branch on a size,
 graph serves every B, H and length (see ``_traced_block_flags``).
 
 Edge blocks: when a length is not a multiple of its block size, a tile hangs over the
-end; its positions past the end hold no query or key (the kernels mask them by bounds
-in full and partial tiles alike). Such a tile is *full* when every in-range position is
-allowed, *partial* when some are, *empty* otherwise. PyTorch counts the positions past
-the end as masked, so its hanging tiles are never full; flexattn's are whenever they can
-be, which matters most for decoding: a one-token query hangs over its 128-row block, so
-under PyTorch's rule every block it sees is partial and runs mask_mod.
+end. Its positions past the end count as masked, as in torch's create_block_mask, so a
+hanging tile is *partial* when some in-range position is allowed and *empty* otherwise,
+never full: full_kv_num_blocks, sparsity() and the pictures match torch's for the same
+inputs. (The kernels would be as correct with such a tile full, since they mask
+positions past the end by bounds; that saves mask_mod on every block a one-token decode
+query sees, bench/DECISIONS.md#block-mask-hanging-blocks-full.)
 """
 
 from __future__ import annotations
@@ -405,11 +405,8 @@ def _reduce_axis_to_blocks(
     """Group axis ``dim`` (negative) in runs of ``block``; reduce each run to any / all.
 
     A trailing run shorter than ``block`` stands for a block that hangs past the end of
-    the sequence. Its missing positions hold no query or key at all (the kernels mask
-    them by bounds, full block or not), so the block is full when every position it
-    does hold is allowed: a one-token decode query makes a full block of every KV block
-    it sees whole. (torch's create_block_mask counts them as masked, so such a block is
-    partial there.)
+    the sequence; its missing positions count as masked, as in torch's create_block_mask,
+    so such a block is partial at best (see the module docstring, "Edge blocks").
     """
     length = any_flags.shape[dim]
     whole = length // block
@@ -423,8 +420,9 @@ def _reduce_axis_to_blocks(
         any_parts.append(runs_any.any(dim))
         all_parts.append(runs_all.all(dim))
     if aligned < length:
-        any_parts.append(any_flags.narrow(dim, aligned, length - aligned).any(dim, keepdim=True))
-        all_parts.append(all_flags.narrow(dim, aligned, length - aligned).all(dim, keepdim=True))
+        tail_any = any_flags.narrow(dim, aligned, length - aligned).any(dim, keepdim=True)
+        any_parts.append(tail_any)
+        all_parts.append(torch.zeros_like(tail_any))
     if len(any_parts) == 1:
         return any_parts[0], all_parts[0]
     return torch.cat(any_parts, dim), torch.cat(all_parts, dim)
@@ -467,8 +465,9 @@ def _reduce_kv_axis(allowed: Tensor, kv_block: int, use_words: bool) -> tuple[Te
     all_kv = runs.eq(_ALL_TRUE_WORD).all(-1)
     if whole * kv_block < kv_len:
         tail = allowed.narrow(-1, whole * kv_block, kv_len - whole * kv_block)
-        any_kv = torch.cat([any_kv, tail.any(-1, keepdim=True)], -1)
-        all_kv = torch.cat([all_kv, tail.all(-1, keepdim=True)], -1)
+        tail_any = tail.any(-1, keepdim=True)
+        any_kv = torch.cat([any_kv, tail_any], -1)
+        all_kv = torch.cat([all_kv, torch.zeros_like(tail_any)], -1)  # hanging: never full
     return any_kv, all_kv
 
 
@@ -546,10 +545,10 @@ def _traced_block_flags(
     def per_tile(flags: Tensor) -> Tensor:
         return flags.view(*flags.shape[:2], QB, q_block, KVB, kv_block)
 
-    # Padded positions count as masked for "any" and as allowed for "all": a tile
-    # hanging over an end is judged by the positions it holds, as in the eager path.
+    # Padded positions count as masked: a tile hanging over an end is never full, as in
+    # the eager path.
     any_blocks = per_tile(allowed & inside).any(-1).any(-2)
-    all_blocks = per_tile(allowed | ~inside).all(-1).all(-2)
+    all_blocks = per_tile(allowed & inside).all(-1).all(-2)
     return any_blocks, all_blocks
 
 

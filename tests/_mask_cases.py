@@ -89,15 +89,16 @@ def _tail_blocks(mask, rows: int, cols: int) -> torch.Tensor:
     return tail
 
 
-def assert_same_block_mask(ours, theirs) -> None:
+def assert_same_block_mask(ours, theirs, hanging_full_in_theirs: bool = False) -> None:
     """Compare two block masks block for block: counts, valid index prefixes, shapes.
 
-    ``theirs`` may be torch's BlockMask. Blocks that hang over the end of a sequence may
-    be full in ``ours`` where ``theirs`` has them partial (flexattn ignores the missing
-    positions, torch counts them as masked; see flexattn/block_mask.py). Everything
-    else must match exactly: when the kinds match everywhere, the block lists and their
-    padding are compared too (flexattn fills the padding the way torch does), valid parts
-    first so that a failure says which part differs.
+    ``theirs`` may be torch's BlockMask. Everything must match exactly: when the kinds
+    match everywhere, the block lists and their padding are compared too (flexattn fills
+    the padding the way torch does), valid parts first so that a failure says which part
+    differs. ``hanging_full_in_theirs``: blocks that hang over the end of a sequence may
+    be full in ``theirs`` where ``ours`` has them partial (a mask cropped by _adjust keeps
+    its full blocks full; one built at the new lengths counts the positions past the end
+    as masked, as torch does).
     """
     assert tuple(ours.seq_lengths) == tuple(theirs.seq_lengths)
     assert tuple(ours.BLOCK_SIZE) == tuple(theirs.BLOCK_SIZE)
@@ -105,8 +106,9 @@ def assert_same_block_mask(ours, theirs) -> None:
     assert our_kinds.shape == their_kinds.shape, (our_kinds.shape, their_kinds.shape)
     differ = our_kinds != their_kinds
     if differ.any():
+        assert hanging_full_in_theirs, f"block kinds differ at {differ.nonzero()[:8].tolist()}"
         tail = _tail_blocks(ours, *our_kinds.shape[-2:]).expand_as(differ)
-        promoted = (our_kinds == 2) & (their_kinds == 1) & tail
+        promoted = (their_kinds == 2) & (our_kinds == 1) & tail
         assert torch.equal(differ, promoted), (
             f"block kinds differ beyond full hanging blocks at {differ.nonzero()[:8].tolist()}")
         return
@@ -136,21 +138,16 @@ def assert_same_block_mask(ours, theirs) -> None:
 def reference_block_kinds(mask: torch.Tensor, q_block: int, kv_block: int) -> torch.Tensor:
     """Block kinds from a dense (B, H, Q, KV) bool mask by brute force: 0/1/2 = empty/partial/full.
 
-    Positions past the sequence ends do not count: a block is full when all of its
-    in-range positions are allowed.
+    Positions past the sequence ends count as masked (torch's rule): a block that hangs
+    over an end is never full.
     """
     B, H, Q, KV = mask.shape
     rows, cols = -(-Q // q_block), -(-KV // kv_block)
     allowed = torch.zeros(B, H, rows * q_block, cols * kv_block, dtype=torch.bool)
-    in_range = torch.zeros_like(allowed)
     allowed[:, :, :Q, :KV] = mask
-    in_range[:, :, :Q, :KV] = True
 
-    def per_tile(x):
-        return x.view(B, H, rows, q_block, cols, kv_block).permute(0, 1, 2, 4, 3, 5).sum(dim=(-2, -1))
-
-    counts, sizes = per_tile(allowed), per_tile(in_range)
+    counts = allowed.view(B, H, rows, q_block, cols, kv_block).permute(0, 1, 2, 4, 3, 5).sum(dim=(-2, -1))
     kinds = torch.zeros(B, H, rows, cols, dtype=torch.int64)
     kinds[counts > 0] = 1
-    kinds[counts == sizes] = 2
+    kinds[counts == q_block * kv_block] = 2
     return kinds

@@ -11,6 +11,7 @@ import textwrap
 _SCRIPT = textwrap.dedent("""
     import torch
     import flexattn
+    torch._inductor.config.force_disable_caches = True  # a cached graph would lower nothing
     q = torch.randn(1, 2, 64, 16)
     flexattn.flex_attention(q, q, q)
     flexattn.flex_attention(q, q, q)  # the same signature: no second compile line
