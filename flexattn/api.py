@@ -373,7 +373,8 @@ def flex_attention(
     if needs_grad and block_mask.q_indices is None:
         raise MissingQBlocksError(NO_Q_BLOCKS_ERROR.format(what="query, key or value"))
     if "OUTPUT_LOGSUMEXP" not in (kernel_options or {}):
-        options["OUTPUT_LOGSUMEXP"] = bool(want_lse or needs_grad)
+        # A backward's own need for the lse is the autograd operator's to add.
+        options["OUTPUT_LOGSUMEXP"] = bool(want_lse)
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
     options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION))
 

@@ -287,6 +287,14 @@ def _cell_steps(rows: int, cols: int, grid_size: int | tuple[int, int]) -> tuple
     return max(1, _cdiv(rows, max(1, max_rows))), max(1, _cdiv(cols, max(1, max_cols)))
 
 
+def _shown_pictures(batch_dims: Sequence[int], limit: int) -> tuple[list[tuple[int, ...]], int]:
+    """The batch indices (b, h, ...) of the first ``limit`` pictures (all of them for a
+    negative limit), and how many more there are."""
+    every = itertools.product(*(range(n) for n in batch_dims))
+    indices = list(itertools.islice(every, limit if limit >= 0 else None))
+    return indices, math.prod(batch_dims) - len(indices)
+
+
 def _picture_rows(grid: Tensor, row_step: int, col_step: int, cell: Callable[[Tensor], str]) -> list[str]:
     """One string per cell row of a (rows, cols) block grid; each cell, ``cell`` of its
     group of blocks, drawn two characters wide so that the picture looks square."""
@@ -925,19 +933,17 @@ class BlockMask:
             f"{_FULL_CHAR} full  {_PARTIAL_CHAR} partial  '{_EMPTY_CHAR}' empty; "
             f"one cell = {row_step}x{col_step} blocks of {self.BLOCK_SIZE[0]}x{self.BLOCK_SIZE[1]}"
         ]
-        for count, batch_index in enumerate(itertools.product(*(range(n) for n in batch_dims))):
-            if count == limit:
-                lines.append(
-                    f"... ({math.prod(batch_dims) - limit} more; raise limit= or index the "
-                    f"BlockMask, e.g. block_mask[b, h], to see others)"
-                )
-                break
+        shown, hidden = _shown_pictures(batch_dims, limit)
+        border = "+" + "-" * (2 * _cdiv(cols, col_step)) + "+"
+        for batch_index in shown:
             label = ", ".join(f"{name}={i}" for name, i in zip(("b", "h", "d2", "d3"), batch_index))
             lines.append(f"[{label}]" if label else "[]")
-            border = "+" + "-" * (2 * _cdiv(cols, col_step)) + "+"
             lines.append(border)
             lines.extend("|" + row + "|" for row in _picture_rows(kinds[batch_index], row_step, col_step, cell))
             lines.append(border)
+        if hidden:
+            lines.append(f"... ({hidden} more; raise limit= or index the BlockMask, e.g. block_mask[b, h], "
+                         f"to see others)")
         return "\n".join(lines)
 
     def _computed_blocks_picture(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
@@ -955,16 +961,14 @@ class BlockMask:
                 return _EMPTY_CHAR
             return _PARTIAL_CHAR
 
+        shown, hidden = _shown_pictures(batch_dims, limit)
         pictures = []
-        for count, batch_index in enumerate(itertools.product(*(range(n) for n in batch_dims))):
-            if count == limit:
-                pictures.append(
-                    f"...\n{math.prod(batch_dims) - limit} more not shown: index the BlockMask "
-                    f"(block_mask[b, h]) or call to_string(limit=...) to see them"
-                )
-                break
+        for batch_index in shown:
             grid_rows = _picture_rows(computed[batch_index], row_step, col_step, cell)
             pictures.append(f"{batch_index}\n" + "".join(row + "\n" for row in grid_rows))
+        if hidden:
+            pictures.append(f"...\n{hidden} more not shown: index the BlockMask (block_mask[b, h]) or call "
+                            f"to_string(limit=...) to see them")
         return "\n".join(pictures)
 
     def __repr__(self) -> str:

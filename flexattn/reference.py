@@ -159,15 +159,11 @@ def _expand_kv(t: Tensor, B: int, Hq: int) -> Tensor:
     return t.repeat_interleave(group, dim=1).expand(B, Hq, *t.shape[2:])
 
 
-def _working_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the row statistics (lse, max_scores) of a call on ``dtype`` inputs:
-    float32, float64 for float64 inputs (as torch's flex returns eagerly, and as
+    """dtype of the softmax and its row statistics (lse, max_scores) for ``dtype``
+    inputs: float32, float64 for float64 inputs (as torch's flex returns eagerly, and as
     gradcheck needs)."""
-    return _working_dtype(dtype)
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dense_math(
@@ -189,7 +185,7 @@ def dense_math(
     """
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
-    work = _working_dtype(query.dtype)
+    work = stats_dtype(query.dtype)
     k = _expand_kv(key.to(query.dtype), B, Hq)  # float8 keys and values are widened, as the kernels do
     v = _expand_kv(value.to(query.dtype), B, Hq)
     scores = (query @ k.transpose(-2, -1)).to(work) * scale
@@ -208,5 +204,4 @@ def dense_math(
     out = probs.to(query.dtype) @ v
     out = torch.where(live[..., None], out, torch.zeros_like(out))
     max_scores = torch.where(live, row_max, torch.full_like(row_max, -math.inf))
-    stats = stats_dtype(query.dtype)
-    return out, lse.to(stats), max_scores.to(stats)
+    return out, lse.to(work), max_scores.to(work)

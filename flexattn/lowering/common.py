@@ -25,7 +25,7 @@ import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor.lowering import empty_strided, expand
-from torch._inductor.virtualized import V, ops
+from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv, Mod
 
 from .. import _compat
@@ -33,7 +33,14 @@ from .. import options as _options
 from .._mask_tuple import BlockMaskView
 from ..reference import stats_dtype
 from .configs.tma import tma_by_default
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, is_identity_score_mod, use_fast_tanh
+from .subgraph import (
+    MASK_MOD_ARGS,
+    SCORE_MOD_ARGS,
+    build_mod_buffer,
+    cast_loader,
+    is_identity_score_mod,
+    use_fast_tanh,
+)
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -120,10 +127,8 @@ def captured_for_kernel(node, query):
         dtype = torch.float32
     else:
         return realize_fixed(node)
-    loader = node.make_loader()
     node = ir.Pointwise.create(device=query.get_device(), dtype=dtype,
-                               inner_fn=lambda index: ops.to_dtype(loader(index), dtype),
-                               ranges=list(node.get_size()))
+                               inner_fn=cast_loader(node.make_loader(), dtype), ranges=list(node.get_size()))
     return realize_fixed(node)
 
 
@@ -194,12 +199,10 @@ class PreparedCall:
 
 
 def check_positive_lengths(query, key) -> None:
-    for name, length in (("Query", query.get_size()[2]), ("Key", key.get_size()[2])):
-        if V.graph.sizevars.statically_known_true(sympy.Eq(length, 0)):
+    for name, node in (("Query", query), ("Key", key)):
+        if V.graph.sizevars.statically_known_true(sympy.Eq(node.get_size()[2], 0)):
             # torch's phrase (its tests match it under torch.compile).
-            raise ValueError(f"flexattn: {name} length must be greater than 0, got shape {list(query.get_size())}"
-                             if name == "Query" else
-                             f"flexattn: {name} length must be greater than 0, got shape {list(key.get_size())}")
+            raise ValueError(f"flexattn: {name} length must be greater than 0, got shape {list(node.get_size())}")
 
 
 def prepare_call(query, key, value, score_graph, block_mask, kernel_options, score_mod_buffers, mask_mod_buffers,

@@ -97,7 +97,9 @@ def _placeholder(name: str, dtype: torch.dtype, device: torch.device) -> ir.Tens
     return ir.TensorBox.create(ir.InputBuffer(name=name, layout=layout))
 
 
-def _cast(loader, dtype: torch.dtype):
+def cast_loader(loader, dtype: torch.dtype):
+    """``loader`` with its value converted to ``dtype``."""
+
     def inner_fn(index):
         return ops.to_dtype(loader(index), dtype)
 
@@ -154,7 +156,7 @@ def build_mod_buffer(
         loader = _with_hardware_tanh(loader)
     result_dtype = result.get_dtype()
     if out_dtype is not None and result_dtype != out_dtype:
-        loader, result_dtype = _cast(loader, out_dtype), out_dtype
+        loader, result_dtype = cast_loader(loader, out_dtype), out_dtype
     body = ir.Pointwise(device=device, dtype=result_dtype, inner_fn=loader, ranges=[])
     buffer = ir.ComputedBuffer(
         name=None,
@@ -195,9 +197,11 @@ def gathered_tile_bytes(graph_module: torch.fx.GraphModule, n_scalar_args: int) 
         size = example.element_size() if isinstance(example, torch.Tensor) else 4
         for user in buffer.users:
             # Indexing in steps (bias[q_idx][kv_idx]) gathers at the end of the chain.
-            while len(user.users) == 1 and next(iter(user.users)).target is torch.ops.aten.index.Tensor \
-                    and next(iter(user.users)).args[0] is user:
-                user = next(iter(user.users))
+            while len(user.users) == 1:
+                (step,) = user.users
+                if step.target is not torch.ops.aten.index.Tensor or step.args[0] is not user:
+                    break
+                user = step
             if depends_on(user, {q_idx}) and depends_on(user, {kv_idx}):
                 total += size
     return total
