@@ -23,7 +23,7 @@ import torch
 import flexattn.lowering
 from flexattn import mods
 from flexattn._hop import flex_attention_hop
-from flexattn.block_mask import and_masks, create_block_mask, noop_mask
+from flexattn.block_mask import and_masks, create_block_mask, create_mask, noop_mask
 
 import _harness as harness
 from conftest import DEVICE
@@ -210,6 +210,31 @@ def test_data_dependent_captures():
     bm = create_block_mask(mask_mod, B, None, n, n, device=DEVICE)
     run_case(dtype=torch.float16, B=B, Hq=H, L=n, S=n, score_mod=score_mod,
              block_mask_tuple=bm.as_tuple())
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float16] + ([torch.bfloat16] if ON_CUDA else []), ids=str)
+def test_comparison_with_a_half_table_rounds_the_scalar_as_eager(table_dtype):
+    """``table[kv_idx] > -0.1`` compares in the table's dtype in eager (create_block_mask,
+    the reference), so an entry equal to the rounded -0.1 is masked out; the kernel must
+    agree (Inductor before torch 2.12 compared it with the unrounded scalar)."""
+    B, H, n = 1, 2, scaled(64, 384)
+    threshold = -0.1
+    rounded = torch.tensor(threshold, dtype=table_dtype).item()
+    assert rounded > threshold, "the case needs a scalar that rounds up"
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(H, n, generator=g).to(table_dtype)
+    table[:, ::3] = rounded
+    table = table.to(DEVICE)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (table[h, kv_idx] > threshold) | (kv_idx == 0)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(table[h, kv_idx] <= threshold, score - 4.0, score)
+
+    bm = create_block_mask(mask_mod, None, H, n, n, device=DEVICE, BLOCK_SIZE=16)
+    assert not create_mask(mask_mod, None, H, n, n, device=DEVICE)[..., 3].any()
+    run_case(dtype=torch.float16, B=B, Hq=H, L=n, S=n, score_mod=score_mod, block_mask_tuple=bm.as_tuple())
 
 
 # --------------------------------------------------------------------------------------

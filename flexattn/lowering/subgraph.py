@@ -126,6 +126,7 @@ def build_mod_buffer(
     adds a wider captured tensor).
     """
     args = [_placeholder(name, dtype or query_dtype, device) for name, dtype in arg_specs]
+    round_comparison_scalars(graph_module)
     lowering = PointwiseSubgraphLowering(graph_module, root_graph_lowering=V.graph)
     try:
         with V.set_graph_handler(lowering):
@@ -165,6 +166,36 @@ def build_mod_buffer(
     )
     buffer.freeze_layout()
     return buffer
+
+
+_COMPARISONS = {getattr(torch.ops.aten, name).Scalar for name in ("gt", "ge", "lt", "le", "eq", "ne")}
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def round_comparison_scalars(graph_module: torch.fx.GraphModule) -> None:
+    """Compare a 16-bit float tensor with a Python float as eager does, in place.
+
+    Eager compares ``table > 0.59`` in the table's dtype, so the scalar is first rounded
+    to it; Inductor before torch 2.12 compares the upcast value with the unrounded
+    scalar. A table entry equal to the rounded scalar then counts differently in
+    create_block_mask (eager) and in the kernel: a key kept there and dropped here.
+    Rounding the scalar in the graph gives every torch version eager's answer (rounding
+    twice changes nothing)."""
+    changed = False
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or node.target not in _COMPARISONS:
+            continue
+        tensor, scalar = node.args[0], node.args[1]
+        example = tensor.meta.get("val") if isinstance(tensor, torch.fx.Node) else None
+        if not (isinstance(example, torch.Tensor) and example.dtype in _HALF_DTYPES
+                and isinstance(scalar, float)):
+            continue
+        rounded = torch.tensor(scalar, dtype=example.dtype).item()
+        if rounded != scalar:
+            node.args = (tensor, rounded, *node.args[2:])
+            changed = True
+    if changed:
+        graph_module.recompile()
 
 
 def depends_on(node: torch.fx.Node, targets: set) -> bool:
