@@ -61,7 +61,13 @@ def inductor_runs_flexattn_kernels():
 
 def pytest_runtest_logreport(report):
     """With FLEXATTN_FAIL_LOG set, append each failure's report there as it happens (a
-    run cut off by a time limit still leaves its failures behind)."""
+    run cut off by a time limit still leaves its failures behind); with
+    FLEXATTN_PROGRESS_LOG set, one line per finished test (outcome, seconds, id), so such
+    a run also says what it finished and what took its time."""
+    progress = os.environ.get("FLEXATTN_PROGRESS_LOG")
+    if progress and (report.when == "call" or report.outcome != "passed"):
+        with open(progress, "a") as log:
+            log.write(f"{report.outcome} {report.duration:.1f} {report.when} {report.nodeid}\n")
     path = os.environ.get("FLEXATTN_FAIL_LOG")
     if path and report.failed:
         with open(path, "a") as log:

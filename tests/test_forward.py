@@ -214,11 +214,11 @@ def test_data_dependent_captures():
 
 @pytest.mark.parametrize("table_dtype", [torch.float16] + ([torch.bfloat16] if ON_CUDA else []), ids=str)
 def test_comparison_with_a_half_table_rounds_the_scalar_as_eager(table_dtype):
-    """``table[kv_idx] > -0.1`` compares in the table's dtype in eager (create_block_mask,
-    the reference), so an entry equal to the rounded -0.1 is masked out; the kernel must
+    """``table[kv_idx] > threshold`` compares in the table's dtype in eager (create_block_mask,
+    the reference), so an entry equal to the rounded threshold is masked out; the kernel must
     agree (Inductor before torch 2.12 compared it with the unrounded scalar)."""
     B, H, n = 1, 2, scaled(64, 384)
-    threshold = -0.1
+    threshold = {torch.float16: -0.1, torch.bfloat16: -0.59}[table_dtype]
     rounded = torch.tensor(threshold, dtype=table_dtype).item()
     assert rounded > threshold, "the case needs a scalar that rounds up"
     g = torch.Generator().manual_seed(5)
