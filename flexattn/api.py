@@ -336,7 +336,7 @@ def flex_attention(
     """
     _check_qkv(query, key, value, enable_gqa)
     if return_lse and return_aux is not None:
-        raise ValueError("flexattn: pass either return_lse or return_aux, not both")
+        raise ValueError("Cannot specify both return_lse and return_aux (flexattn: return_aux=AuxRequest(lse=True) alone returns the lse)")
     if return_lse and not torch.compiler.is_compiling():
         _warn_return_lse_deprecated()
     return_aux = _from_torch_object(return_aux)

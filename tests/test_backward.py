@@ -689,6 +689,40 @@ def test_captured_tensor_of_another_dtype(q_dtype, bias_dtype):
                             ratio=harness.CAPTURED_GRAD_RATIO, floor=floor and max(floor, harness.ATOL_FLOOR[bias_dtype]))
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float64, torch.float16], ids=str)
+def test_captured_bool_tensor(q_dtype):
+    """A bool table read by score_mod and mask_mod, negated and compared (torch's
+    test_seq_masking, whose float64 golden call failed to compile on the H100: float64
+    calls read bool tensors from an int32 copy), forward and backward."""
+    n, E = scaled(40, 300), 16
+    gen = harness.generator(9)
+    q, k, v = harness.make_inputs(gen, B=2, Hq=2, L=n, S=n, E=E, dtype=q_dtype, requires_grad=True)
+    grad_out = harness.randn(gen, 2, 2, n, E, dtype=q_dtype)
+    second_half = torch.arange(n, device=DEVICE) >= n // 2
+    flags = torch.rand(n, generator=gen).to(DEVICE) < 0.5
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(second_half[q_idx] == second_half[kv_idx], score, score - 2.0 * ~flags[kv_idx])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ~flags[kv_idx] | (q_idx >= kv_idx)
+
+    mask = create_block_mask(mask_mod, None, None, n, n, device=DEVICE, BLOCK_SIZE=scaled(16, 128))
+
+    def attend(q, k, v):
+        return flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask), None
+
+    compiled = torch.compile(attend, backend="inductor", fullgraph=True)
+    test = harness.attention_grads(compiled, harness.copies((q, k, v)), grad_out)
+    with flexattn.eager_mods():
+        ref = harness.attention_grads(attend, harness.copies((q, k, v)), grad_out)
+        golden = harness.attention_grads(attend, harness.copies((q, k, v), torch.float64), grad_out.double())
+    floor = 2e-6 if q_dtype == torch.float64 else None  # as in test_captured_tensor_of_another_dtype
+    harness.check_three_way("out", test[0], ref[0], golden[0], q_dtype, floor=floor)
+    for name, t, r, g in zip(("grad_q", "grad_k", "grad_v"), test[2], ref[2], golden[2]):
+        harness.check_three_way(name, t, r, g, q_dtype, floor=floor)
+
+
 @pytest.mark.parametrize("default_mask", [True, False], ids=["default_mask", "block_mask"])
 def test_only_a_captured_tensor_wants_a_gradient(default_mask):
     """q, k and v frozen, a learnable bias training alone (a frozen model with a tuned

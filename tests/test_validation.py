@@ -122,7 +122,7 @@ def test_mod_and_option_checks():
         _call(q, k, v, score_mod=3)
     with pytest.raises(ValueError, match=r"unknown kernel_options \['BLOCK_Q'\]"):
         _call(q, k, v, kernel_options={"BLOCK_Q": 64})
-    with pytest.raises(ValueError, match=r"either return_lse or return_aux"):
+    with pytest.raises(ValueError, match=r"^Cannot specify both return_lse and return_aux"):
         _call(q, k, v, return_lse=True, return_aux=flexattn.AuxRequest(lse=True))
     with pytest.raises(TypeError, match=r"scale must be a float or None, got str"):
         _call(q, k, v, scale="0.5")

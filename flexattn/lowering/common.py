@@ -114,8 +114,9 @@ def captured_for_kernel(node, query):
     is float64: inside the mod every value is 0-d, so a float64 scalar would otherwise
     promote the whole score computation (as a Python float does not).
 
-    A float16 or bfloat16 tensor captured by a float64 call is copied as float32: Triton
-    (3.6, sm90) fails to compile a 16-bit load into the float64 dot's layout.
+    A float16 or bfloat16 tensor captured by a float64 call is copied as float32, a bool
+    one as int32 (``build_mod_buffer`` reads it back as bool): Triton (3.6, sm90) fails
+    to compile an 8- or 16-bit load into the float64 dot's layout.
     """
     if not isinstance(node, ir.IRNode):
         return node
@@ -123,8 +124,8 @@ def captured_for_kernel(node, query):
     if not node.get_size() and node.get_device().type == "cpu":
         if dtype == torch.float64 and query.get_dtype() != torch.float64:
             dtype = torch.float32
-    elif query.get_dtype() == torch.float64 and dtype in (torch.float16, torch.bfloat16):
-        dtype = torch.float32
+    elif query.get_dtype() == torch.float64 and dtype in (torch.float16, torch.bfloat16, torch.bool):
+        dtype = torch.int32 if dtype == torch.bool else torch.float32
     else:
         return realize_fixed(node)
     node = ir.Pointwise.create(device=query.get_device(), dtype=dtype,

@@ -106,6 +106,18 @@ def cast_loader(loader, dtype: torch.dtype):
     return inner_fn
 
 
+def _read_as_bool(node, placeholder: torch.fx.Node):
+    """A bool tensor the kernel reads from a wider copy (``captured_for_kernel``), as the
+    bool values the mod's graph was traced with; any other node unchanged."""
+    example = placeholder.meta.get("val")
+    if not (isinstance(node, ir.IRNode) and isinstance(example, torch.Tensor) and example.dtype == torch.bool
+            and node.get_dtype() != torch.bool):
+        return node
+    return ir.TensorBox(ir.Pointwise(device=node.get_device(), dtype=torch.bool,
+                                     inner_fn=cast_loader(node.make_loader(), torch.bool),
+                                     ranges=list(node.get_size())))
+
+
 def build_mod_buffer(
     graph_module: torch.fx.GraphModule,
     arg_specs: Sequence[tuple[str, torch.dtype | None]],
@@ -126,6 +138,9 @@ def build_mod_buffer(
     adds a wider captured tensor).
     """
     args = [_placeholder(name, dtype or query_dtype, device) for name, dtype in arg_specs]
+    buffer_placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"][len(arg_specs):]
+    captured = [_read_as_bool(node, placeholder) for node, placeholder in zip(captured, buffer_placeholders)] \
+        + list(captured[len(buffer_placeholders):])
     round_comparison_scalars(graph_module)
     lowering = PointwiseSubgraphLowering(graph_module, root_graph_lowering=V.graph)
     try:
