@@ -27,7 +27,7 @@ from .reference import IndexWithTensors
 
 _HOP_ARG_NAMES = (
     "query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options",
-    "score_mod_buffers", "mask_mod_buffers",
+    "score_mod_buffers", "mask_mod_buffers", "sinks",
 )
 
 _registered = False
@@ -102,7 +102,11 @@ def _make_variable_class():
                 bound["query"], bound["key"], bound["value"],
                 support.TupleVariable(list(fields.without_mask_mod())),
             ]
-            (q, k, v, bm), _ = support.proxy_args_kwargs(proxied, {})
+            sinks = bound.get("sinks")
+            if sinks is not None and sinks.is_python_constant() and sinks.as_python_constant() is None:
+                sinks = None
+            (q, k, v, bm, *sinks_proxy), _ = support.proxy_args_kwargs(
+                proxied + ([sinks] if sinks is not None else []), {})
             # The scale is folded into the kernel as a constant (1/sqrt(E) follows the
             # head dim, which the kernel specialises on anyway).
             scale = float(_as_python_value(bound["scale"]))
@@ -111,7 +115,7 @@ def _make_variable_class():
                 "call_function",
                 self.value,
                 args=(q, k, v, score_node, tuple(bm) + (mask_node,), scale, kernel_options,
-                      score_lifted, mask_lifted),
+                      score_lifted, mask_lifted, sinks_proxy[0] if sinks_proxy else None),
                 kwargs={},
             )
             return support.wrap_fx_proxy(tx=tx, proxy=proxy, example_value=None)

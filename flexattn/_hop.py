@@ -19,7 +19,7 @@ Operator contract (the lowering relies on it)::
 
     out, lse, max_scores = flex_attention_hop(
         query, key, value, score_mod, block_mask, scale, kernel_options,
-        score_mod_buffers, mask_mod_buffers)
+        score_mod_buffers, mask_mod_buffers, sinks=None)
 
 query (B, Hq, L, E); key (Bkv, Hkv, S, E); value (Bkv, Hkv, S, Ev); Bkv in {1, B};
 Hq % Hkv == 0. ``block_mask`` is ``BlockMask.as_tuple()``: ``(q_len, kv_len,
@@ -27,7 +27,10 @@ kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
 q_indices, full_q_num_blocks, full_q_indices, Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)``.
 ``out`` is (B, Hq, L, Ev) in query's dtype with query's dimension order (see
 ``output_strides``); ``lse`` and ``max_scores`` are float32 (B, Hq, L), natural log,
-``-inf`` on rows where every key is masked (whose ``out`` row is 0).
+``-inf`` on rows where every key is masked (whose ``out`` row is 0). ``sinks``: None
+or per-head logits (Hq,) or (B, Hq) of any float dtype, each one more key of value zero
+in its rows' softmax (``reference.dense_math``); with sinks the lse includes them and
+a row with every key masked has lse = sink.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch import Tensor
 from . import _compat
 from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode, pytree
 from ._mask_tuple import BlockMaskView
-from .reference import IndexWithTensors, dense_math, stats_dtype
+from .reference import IndexWithTensors, dense_math, sink_rows, stats_dtype
 
 #: The error of a call that needs a backward with a mask built without the transposed lists.
 NO_Q_BLOCKS_ERROR = (
@@ -78,12 +81,13 @@ class FlexAttentionHOP(_compat.HigherOrderOperator):
         kernel_options: dict[str, Any],
         score_mod_buffers: tuple = (),
         mask_mod_buffers: tuple = (),
+        sinks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_buffers("score_mod_buffers", score_mod_buffers)
         _check_buffers("mask_mod_buffers", mask_mod_buffers)
         return super().__call__(
             query, key, value, score_mod, block_mask, scale, kernel_options,
-            tuple(score_mod_buffers), tuple(mask_mod_buffers),
+            tuple(score_mod_buffers), tuple(mask_mod_buffers), sinks,
         )
 
 
@@ -107,13 +111,14 @@ class FlexAttentionBackwardHOP(_compat.HigherOrderOperator):
         kernel_options: dict[str, Any],
         score_mod_buffers: tuple = (),
         mask_mod_buffers: tuple = (),
+        sinks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor | None, ...]]:
         _check_buffers("score_mod_buffers", score_mod_buffers)
         _check_buffers("mask_mod_buffers", mask_mod_buffers)
         return super().__call__(
             query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
             joint_graph, block_mask, scale, kernel_options,
-            tuple(score_mod_buffers), tuple(mask_mod_buffers),
+            tuple(score_mod_buffers), tuple(mask_mod_buffers), sinks,
         )
 
 
@@ -176,11 +181,11 @@ def _empty_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor
 @flex_attention_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def dense_flex_attention(
     query, key, value, score_mod, block_mask, scale, kernel_options,
-    score_mod_buffers=(), mask_mod_buffers=(),
+    score_mod_buffers=(), mask_mod_buffers=(), sinks=None,
 ):
     """The reference: ``dense_math`` with its output laid out as the kernels lay it."""
     out, lse, max_scores = dense_math(
-        query, key, value, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers
+        query, key, value, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks
     )
     result, _, _ = _empty_outputs(query, value)
     result.copy_(out)
@@ -189,7 +194,7 @@ def dense_flex_attention(
 
 @flex_attention_hop.py_impl(FakeTensorMode)
 def _fake_flex_attention(mode, query, key, value, score_mod, block_mask, scale, kernel_options,
-                         score_mod_buffers=(), mask_mod_buffers=()):
+                         score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
     with mode:
         return _empty_outputs(query, value)
 
@@ -225,13 +230,13 @@ def _record(mode: ProxyTorchDispatchMode, op, args: tuple, example_out):
 
 @flex_attention_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy_flex_attention(mode, query, key, value, score_mod, block_mask, scale, kernel_options,
-                          score_mod_buffers=(), mask_mod_buffers=()):
+                          score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
     example_out = flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
-                                     score_mod_buffers, mask_mod_buffers)
+                                     score_mod_buffers, mask_mod_buffers, sinks)
     score_graph, traced_block_mask = _trace_mods_in(mode, query, score_mod, block_mask,
                                                     score_mod_buffers, mask_mod_buffers)
     args = (query, key, value, score_graph, traced_block_mask, scale, kernel_options,
-            score_mod_buffers, mask_mod_buffers)
+            score_mod_buffers, mask_mod_buffers, sinks)
     return _record(mode, flex_attention_hop, args, example_out)
 
 
@@ -280,8 +285,9 @@ def reject_mutating_mod(name: str, mod: Callable, example_args: Sequence) -> Non
 
 @flex_attention_hop.py_functionalize_impl
 def _functionalize_flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel_options,
-                                  score_mod_buffers=(), mask_mod_buffers=()):
+                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
     q, k, v = ctx.unwrap_tensors([query, key, value])
+    sinks = None if sinks is None else ctx.unwrap_tensors(sinks)
     bm = BlockMaskView(*ctx.unwrap_tensors(block_mask))
     smb = ctx.unwrap_tensors(score_mod_buffers)
     mmb = ctx.unwrap_tensors(mask_mod_buffers)
@@ -291,7 +297,7 @@ def _functionalize_flex_attention(ctx, query, key, value, score_mod, block_mask,
         functional_score_mod = ctx.functionalize(score_mod)
         functional_bm = tuple(bm._replace(mask_mod=ctx.functionalize(bm.mask_mod)))
         out = flex_attention_hop(q, k, v, functional_score_mod, functional_bm, scale, kernel_options,
-                                 tuple(smb), tuple(mmb))
+                                 tuple(smb), tuple(mmb), sinks)
     return ctx.wrap_tensors(out)
 
 
@@ -342,11 +348,11 @@ _SAVED = object()
 class FlexAttentionAutogradOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
-                mask_mod_buffers, *score_mod_buffers):
+                sinks, mask_mod_buffers, *score_mod_buffers):
         with _compat.below_autograd():
             out, lse, max_scores = flex_attention_hop(
                 query, key, value, fw_graph, block_mask, scale, kernel_options,
-                score_mod_buffers, mask_mod_buffers,
+                score_mod_buffers, mask_mod_buffers, sinks,
             )
         ctx.mark_non_differentiable(max_scores)
         ctx._fw_graph = fw_graph
@@ -356,7 +362,7 @@ class FlexAttentionAutogradOp(torch.autograd.Function):
         ctx._counts = (len(block_mask), len(score_mod_buffers))
         # save_for_backward takes tensors only; sizes (SymInts under dynamic shapes), the
         # mask_mod and absent tables stay on ctx in their places.
-        items = [query, key, value, out, lse, *block_mask, *score_mod_buffers, *mask_mod_buffers]
+        items = [query, key, value, out, lse, sinks, *block_mask, *score_mod_buffers, *mask_mod_buffers]
         ctx._layout = [_SAVED if isinstance(x, Tensor) else x for x in items]
         ctx.save_for_backward(*(x for x in items if isinstance(x, Tensor)))
         return out, lse, max_scores
@@ -365,31 +371,34 @@ class FlexAttentionAutogradOp(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_max_scores):
         saved = iter(ctx.saved_tensors)
         items = [next(saved) if x is _SAVED else x for x in ctx._layout]
-        query, key, value, out, lse = items[:5]
+        query, key, value, out, lse, sinks = items[:6]
         n_mask, n_score = ctx._counts
-        block_mask = tuple(items[5:5 + n_mask])
-        score_mod_buffers = tuple(items[5 + n_mask:5 + n_mask + n_score])
-        mask_mod_buffers = tuple(items[5 + n_mask + n_score:])
+        block_mask = tuple(items[6:6 + n_mask])
+        score_mod_buffers = tuple(items[6 + n_mask:6 + n_mask + n_score])
+        mask_mod_buffers = tuple(items[6 + n_mask + n_score:])
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        grad_q, grad_k, grad_v, grad_buffers = flex_attention_backward_hop(
-            query, key, value, out, lse, grad_out, grad_lse, ctx._fw_graph, ctx._joint_graph,
-            block_mask, ctx._scale, ctx._kernel_options, score_mod_buffers, mask_mod_buffers,
-        )
-        return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grad_buffers)
+        grad_q = grad_k = grad_v = None
+        grad_buffers = [None] * n_score
+        if any(ctx.needs_input_grad[:3]) or any(ctx.needs_input_grad[10:]):
+            grad_q, grad_k, grad_v, grad_buffers = flex_attention_backward_hop(
+                query, key, value, out, lse, grad_out, grad_lse, ctx._fw_graph, ctx._joint_graph,
+                block_mask, ctx._scale, ctx._kernel_options, score_mod_buffers, mask_mod_buffers, sinks,
+            )
+        grad_sinks = sink_grad(sinks, out, lse, grad_out, grad_lse) if ctx.needs_input_grad[8] else None
+        return (grad_q, grad_k, grad_v, None, None, None, None, None, grad_sinks, None, *grad_buffers)
 
 
 @flex_attention_hop.py_impl(DispatchKey.Autograd)
 def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
-                             score_mod_buffers=(), mask_mod_buffers=()):
-    needs_grad = torch.is_grad_enabled() and any(
-        _grad_capable(t) for t in (query, key, value, *score_mod_buffers)
-    )
-    if not needs_grad:
+                             score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+    grad_enabled = torch.is_grad_enabled()
+    needs_grad = grad_enabled and any(_grad_capable(t) for t in (query, key, value, *score_mod_buffers))
+    if not needs_grad and not (grad_enabled and _grad_capable(sinks)):
         with _compat.below_autograd():
             return flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
-                                      score_mod_buffers, mask_mod_buffers)
-    if BlockMaskView(*block_mask).q_indices is None:
+                                      score_mod_buffers, mask_mod_buffers, sinks)
+    if needs_grad and BlockMaskView(*block_mask).q_indices is None:
         # q, k and v were checked in api.flex_attention: here it is a score_mod buffer.
         raise MissingQBlocksError(NO_Q_BLOCKS_ERROR.format(what="a tensor captured by score_mod"))
     fw_graph, joint_graph = build_score_mod_graphs(score_mod, query, score_mod_buffers)
@@ -398,8 +407,26 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
     kernel_options = {**kernel_options, "OUTPUT_LOGSUMEXP": True}
     return FlexAttentionAutogradOp.apply(
         query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
-        tuple(mask_mod_buffers), *score_mod_buffers,
+        sinks, tuple(mask_mod_buffers), *score_mod_buffers,
     )
+
+
+def sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor | None) -> Tensor:
+    """The sinks' gradient from the forward's results alone.
+
+    A sink is a key of value zero with probability P_sink = exp(sink - lse) in its row,
+    so d out / d sink = -P_sink * out and d lse / d sink = P_sink: each row adds
+    P_sink * (grad_lse - <grad_out, out>), summed over the rows (and the batch for a
+    per-head sink). The kernels need no pass of their own for it.
+    """
+    work = lse.dtype
+    Hq = lse.shape[1]
+    row = -(grad_out.to(work) * out.to(work)).sum(-1)
+    if grad_lse is not None:
+        row = row + grad_lse.to(work)
+    per_row = torch.exp(sink_rows(sinks, Hq, work) - lse) * row
+    grad = per_row.sum(-1)
+    return (grad if sinks.dim() == 2 else grad.sum(0)).to(sinks.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -407,13 +434,13 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
 # --------------------------------------------------------------------------------------
 def _autocast(device_type: str, key: DispatchKey):
     def impl(query, key_, value, score_mod, block_mask, scale, kernel_options,
-             score_mod_buffers=(), mask_mod_buffers=()):
+             score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
         dtype = torch.get_autocast_dtype(device_type)
         if query.is_floating_point() and query.dtype != torch.float64:
             query, key_, value = (t.to(dtype) for t in (query, key_, value))
         with _compat.exclude_dispatch_key(key):
             return flex_attention_hop(query, key_, value, score_mod, block_mask, scale, kernel_options,
-                                      score_mod_buffers, mask_mod_buffers)
+                                      score_mod_buffers, mask_mod_buffers, sinks)
 
     return impl
 
@@ -428,11 +455,12 @@ flex_attention_hop.py_impl(DispatchKey.AutocastCPU)(_autocast("cpu", DispatchKey
 @flex_attention_backward_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def dense_flex_attention_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp,
                                   fw_graph, joint_graph, block_mask, scale, kernel_options,
-                                  score_mod_buffers=(), mask_mod_buffers=()):
+                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
     """Reference gradients: autograd through ``dense_math`` with the forward graph.
 
     The joint graph is not needed here (autograd derives the same vjp); it is part of
-    the contract for the fused kernels.
+    the contract for the fused kernels. The sinks' gradient is the autograd operator's
+    (``sink_grad``), as for the kernels.
     """
     wants = buffers_with_grad(joint_graph, len(score_mod_buffers))
     with _compat.reenable_autograd(), torch.enable_grad():
@@ -440,7 +468,8 @@ def dense_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
         k = key.detach().requires_grad_(True)
         v = value.detach().requires_grad_(True)
         buffers = [b.detach().requires_grad_(True) if w else b for b, w in zip(score_mod_buffers, wants)]
-        o, lse, _ = dense_math(q, k, v, fw_graph, block_mask, scale, buffers, mask_mod_buffers)
+        o, lse, _ = dense_math(q, k, v, fw_graph, block_mask, scale, buffers, mask_mod_buffers,
+                               None if sinks is None else sinks.detach())
         outputs, cotangents = [o], [grad_out]
         if grad_logsumexp is not None:
             outputs.append(lse)
@@ -481,7 +510,7 @@ def _empty_backward_outputs(query, key, value, score_mod_buffers, joint_graph):
 @flex_attention_backward_hop.py_impl(FakeTensorMode)
 def _fake_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
                                   fw_graph, joint_graph, block_mask, scale, kernel_options,
-                                  score_mod_buffers=(), mask_mod_buffers=()):
+                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
     with mode:
         return _empty_backward_outputs(query, key, value, score_mod_buffers, joint_graph)
 
@@ -489,10 +518,10 @@ def _fake_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_
 @flex_attention_backward_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
                                    fw_graph, joint_graph, block_mask, scale, kernel_options,
-                                   score_mod_buffers=(), mask_mod_buffers=()):
+                                   score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
     example_out = flex_attention_backward_hop(
         query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
-        block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers,
+        block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers, sinks,
     )
     with IndexWithTensors():
         fw = _compat.reenter_make_fx(fw_graph)(*scalar_examples(query, True), *score_mod_buffers)
@@ -506,15 +535,16 @@ def _proxy_flex_attention_backward(mode, query, key, value, out, logsumexp, grad
         mode.tracer.root.register_module(_compat.unique_graph_name(mode, prefix), gm)
     traced_block_mask = tuple(BlockMaskView(*block_mask)._replace(mask_mod=mask_graph))
     args = (query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw, joint, traced_block_mask,
-            scale, kernel_options, score_mod_buffers, mask_mod_buffers)
+            scale, kernel_options, score_mod_buffers, mask_mod_buffers, sinks)
     return _record(mode, flex_attention_backward_hop, args, example_out)
 
 
 @flex_attention_backward_hop.py_functionalize_impl
 def _functionalize_flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
                                            fw_graph, joint_graph, block_mask, scale, kernel_options,
-                                           score_mod_buffers=(), mask_mod_buffers=()):
+                                           score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
     unwrapped = ctx.unwrap_tensors([query, key, value, out, logsumexp, grad_out])
+    sinks = None if sinks is None else ctx.unwrap_tensors(sinks)
     g_lse = ctx.unwrap_tensors(grad_logsumexp) if grad_logsumexp is not None else None
     bm = BlockMaskView(*ctx.unwrap_tensors(block_mask))
     smb = ctx.unwrap_tensors(score_mod_buffers)
@@ -523,7 +553,7 @@ def _functionalize_flex_attention_backward(ctx, query, key, value, out, logsumex
         functional_bm = tuple(bm._replace(mask_mod=ctx.functionalize(bm.mask_mod)))
         grads = flex_attention_backward_hop(
             *unwrapped, g_lse, fw_graph, joint_graph,
-            functional_bm, scale, kernel_options, tuple(smb), tuple(mmb),
+            functional_bm, scale, kernel_options, tuple(smb), tuple(mmb), sinks,
         )
     return ctx.wrap_tensors(grads)
 

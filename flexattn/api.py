@@ -89,6 +89,21 @@ def _shape(t: Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def _check_sinks(sinks: Any, query: Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"flexattn: sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    B, Hq = query.shape[:2]
+    if tuple(sinks.shape) not in ((Hq,), (B, Hq)):
+        raise ValueError(f"flexattn: sinks must have shape (H,) = ({Hq},) or (B, H) = ({B}, {Hq}) for query "
+                         f"shape {_shape(query)}, got {_shape(sinks)}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"flexattn: sinks must have a floating dtype, got {sinks.dtype}")
+    if sinks.device != query.device:
+        raise ValueError(f"flexattn: sinks must be on query's device {query.device}, got {sinks.device}")
+
+
 def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
@@ -219,8 +234,8 @@ def _full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
 # --------------------------------------------------------------------------------------
 # Eager path: compile the operator once per signature
 # --------------------------------------------------------------------------------------
-def _call_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options):
-    return flex_attention_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)
+def _call_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks):
+    return flex_attention_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks=sinks)
 
 
 def _eager_backend(device: torch.device) -> str:
@@ -254,16 +269,16 @@ def eager_mods():
         _eager_mods_depth -= 1
 
 
-def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_options):
+def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks):
     if _eager_mods_depth or os.environ.get(_EAGER_MODS_ENV, "0") == "1":
         # Plain autograd through the math: tensors the mods close over get their gradients.
-        return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), ())
+        return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), (), sinks)
     backend = _eager_backend(query.device)
     timed = log.isEnabledFor(logging.INFO)
     if timed:
         graphs, started = _compat.compiled_graph_count(), time.perf_counter()
     with _compat.unlimited_recompiles():
-        result = _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options)
+        result = _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks)
     if timed and _compat.compiled_graph_count() != graphs:
         log.info("flexattn: compiled the operator for q %s k %s v %s %s on %s (%s backend) in %.2f s; "
                  "later calls with this signature reuse it", list(query.shape), list(key.shape),
@@ -313,6 +328,7 @@ def flex_attention(
     kernel_options: dict[str, Any] | None = None,
     *,
     return_aux: AuxRequest | None = None,
+    sinks: Tensor | None = None,
 ):
     """Attention with a user-defined score modification and block-sparse mask.
 
@@ -329,6 +345,10 @@ def flex_attention(
         return_lse: also return the log-sum-exp (kept for compatibility; prefer return_aux).
         kernel_options: tuning and behaviour switches for the kernels (see the docs).
         return_aux: ``AuxRequest(lse=..., max_scores=...)``.
+        sinks: per-head attention-sink logits, (H,) or (B, H), any float dtype: each joins
+            its rows' softmax as one more key whose value is zero (gpt-oss style), never
+            masked and untouched by score_mod. Gradients flow to it. The lse includes
+            the sink (a row with every key masked gets lse = sink); max_scores does not.
 
     Returns:
         out (B, H, L, Ev) in query's dtype; ``(out, lse)`` with return_lse; ``(out,
@@ -358,6 +378,7 @@ def flex_attention(
             "block_mask.mask_mod a mask_mod for the slice (e.g. with the query offset added)"
         )
     _check_mod("block_mask.mask_mod", block_mask.mask_mod, 4, "(b, h, q_idx, kv_idx)")
+    _check_sinks(sinks, query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.size(-1))
     elif not isinstance(scale, (int, float)):
@@ -378,9 +399,9 @@ def flex_attention(
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
     options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION))
 
-    args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)
+    args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options, sinks)
     if torch.compiler.is_compiling():
-        out, lse, max_scores = flex_attention_hop(*args)
+        out, lse, max_scores = flex_attention_hop(*args[:-1], sinks=sinks)
     else:
         out, lse, max_scores = _run_eagerly(*args)
 

@@ -175,6 +175,7 @@ def dense_math(
     scale: float,
     score_mod_buffers: Sequence,
     mask_mod_buffers: Sequence,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention computed the plain way, differentiable by autograd.
 
@@ -182,6 +183,10 @@ def dense_math(
     float64 inputs), with the probabilities cast back before the product with V: the
     same roundings a fused kernel makes, so that a same-dtype run of this function is a
     fair yardstick for a kernel's error.
+
+    ``sinks``: per-head logits, shape (Hq,) or (B, Hq), each joining its rows' softmax
+    as one more key whose value is zero (never masked, untouched by score_mod). The
+    lse includes it; max_scores is the max over the real keys.
     """
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
@@ -193,15 +198,35 @@ def dense_math(
     allowed = block_mask_visibility(block_mask, B, Hq, L, S, query.device, mask_mod_buffers)
     scores = scores.masked_fill(~allowed, -math.inf)
 
+    return softmax_times_values(scores, allowed.any(dim=-1), v, sinks)
+
+
+def sink_rows(sinks: Tensor, Hq: int, dtype: torch.dtype) -> Tensor:
+    """Sinks (Hq,) or (B, Hq) as (1 or B, Hq, 1) in ``dtype``: one logit per row of (B, Hq, L)."""
+    return sinks.to(dtype).reshape(-1 if sinks.dim() == 2 else 1, Hq, 1)
+
+
+def softmax_times_values(scores: Tensor, has_keys: Tensor, v: Tensor,
+                         sinks: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, max_scores) from masked scores (B, Hq, L, S) (-inf where masked) in
+    the softmax's dtype: the probabilities rounded to ``v``'s dtype before the product,
+    rows without a key (``has_keys`` False, or every score -inf) giving out 0 and lse
+    -inf, unless a sink (``dense_math``) gives them lse = sink."""
+    B, Hq, L, S = scores.shape
     row_max = scores.amax(dim=-1)
-    live = allowed.any(dim=-1) & (row_max > -math.inf)
+    live = has_keys & (row_max > -math.inf)
+    max_scores = torch.where(live, row_max, torch.full_like(row_max, -math.inf))
+    if sinks is not None:
+        sink = sink_rows(sinks, Hq, scores.dtype).expand(B, Hq, L)
+        scores = torch.cat([scores, sink[..., None]], dim=-1)
+        row_max = torch.maximum(row_max, sink)
+        live = torch.ones_like(live)
     safe_max = torch.where(live, row_max, torch.zeros_like(row_max)).detach()
     p = torch.exp(scores - safe_max[..., None])
     denom = p.sum(dim=-1)
     safe_denom = torch.where(live, denom, torch.ones_like(denom))
     lse = torch.where(live, torch.log(safe_denom) + safe_max, torch.full_like(denom, -math.inf))
-    probs = p / safe_denom[..., None]
-    out = probs.to(query.dtype) @ v
+    probs = (p / safe_denom[..., None])[..., :S]
+    out = probs.to(v.dtype) @ v
     out = torch.where(live[..., None], out, torch.zeros_like(out))
-    max_scores = torch.where(live, row_max, torch.full_like(row_max, -math.inf))
-    return out, lse.to(work), max_scores.to(work)
+    return out, lse, max_scores

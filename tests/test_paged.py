@@ -128,7 +128,7 @@ class Sequences:
         harness.check_attention((out, lse), ref, golden, self.dtype, max_scores=False, prefix=f"{name} ")
 
 
-def paged_attention(cache, seqs, q, mask_mod, score_mod, *, q_block=16, options=None):
+def paged_attention(cache, seqs, q, mask_mod, score_mod, *, q_block=16, options=None, sinks=None):
     """Logical BlockMask -> pool BlockMask, mods -> pool mods, flex_attention on the pool."""
     B, Hq, L, _ = q.shape
     slots = torch.tensor(seqs.slots, device=DEVICE)
@@ -137,7 +137,7 @@ def paged_attention(cache, seqs, q, mask_mod, score_mod, *, q_block=16, options=
     paged_mask = cache.block_mask_on_pages(logical, slots)
     paged_score = cache.score_mod_on_pages(score_mod, slots)
     return flexattn.flex_attention(q, seqs.k_cache, seqs.v_cache, score_mod=paged_score, block_mask=paged_mask,
-                                   enable_gqa=True, return_lse=True, kernel_options=options)
+                                   enable_gqa=True, return_lse=True, kernel_options=options, sinks=sinks)
 
 
 def make_case(group: int, L: int, *, Hkv=2, E=16, page=16, lengths=(36, 100, 70), dtype=torch.float16,
@@ -437,6 +437,21 @@ def test_paged_matches_contiguous_kernels(group, L, options, layout):
     mark = MAIN_MARK if options and options.get("FORCE_DECODE") is False else DECODE_MARK
     assert mark in "\n".join(code), f"{mark} is not in the generated code"
     seqs.check("paged", q, out, lse, mask_mod, score_mod)
+
+
+@kernel
+@pytest.mark.parametrize("options", [None, {"FORCE_DECODE": False}], ids=["decode", "main"])
+def test_paged_with_sinks(options):
+    """A sink renormalises each row: out * exp(lse - lse'), lse' = logaddexp(lse, sink),
+    from the same paged call without sinks (whose numerics the tests above check)."""
+    cache, seqs, q, mask_mod, score_mod = make_case(4, 3, Hkv=1, seed=21, lengths=(152, 70))
+    sinks = harness.randn(harness.generator(22), q.shape[0], q.shape[1]) * 2
+    out, lse = paged_attention(cache, seqs, q, mask_mod, score_mod, options=options)
+    out_s, lse_s = paged_attention(cache, seqs, q, mask_mod, score_mod, options=options, sinks=sinks)
+    want_lse = torch.logaddexp(lse, sinks[:, :, None])
+    torch.testing.assert_close(lse_s, want_lse, atol=1e-4, rtol=1e-4)
+    want = (out.float() * torch.exp(lse - want_lse)[..., None]).to(out.dtype)
+    torch.testing.assert_close(out_s, want, atol=2e-3, rtol=2e-3)
 
 
 @kernel

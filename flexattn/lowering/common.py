@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 from torch._inductor import ir
-from torch._inductor.lowering import empty_strided, expand
+from torch._inductor.lowering import empty_strided, expand, to_dtype
 from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv, Mod
 
@@ -154,6 +154,18 @@ def dense_buffer(sizes, device, dtype):
 def _signature_filler(device):
     """A 0-element table for a kernel argument the kernel never reads."""
     return realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
+
+
+def sinks_for_kernel(sinks, query):
+    """The ``sinks`` argument of a forward or decode template: the sink logits as
+    (B, Hq) in the softmax's dtype (a per-head vector broadcast over the batch with
+    stride 0), or a filler when the call has none (HAS_SINKS False)."""
+    if sinks is None:
+        return _signature_filler(query.get_device())
+    B, Hq = query.get_size()[:2]
+    dtype = stats_dtype(query.get_dtype())
+    node = sinks if sinks.get_dtype() == dtype else to_dtype(sinks, dtype)
+    return broadcast_to(expand(node, [B, Hq]), [B, Hq])
 
 
 def output_layout(query, v_head_dim) -> ir.FixedLayout:

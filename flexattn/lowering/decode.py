@@ -94,7 +94,7 @@ def decode_inputs(call: common.PreparedCall, spec: dict[str, Any], query, key, k
 
 
 def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options,
-                 score_mod_buffers, mask_mod_buffers):
+                 score_mod_buffers, mask_mod_buffers, sinks=None):
     """out, lse, max_scores of a short-query call, from the decode kernel (and the merge
     pass)."""
     started = time.perf_counter()
@@ -110,6 +110,8 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
         sparse_q=call.sparse_q, sparse_kv=call.sparse_kv, has_full_blocks=call.has_full_blocks,
         has_score_mod=call.has_score_mod, kernel="decode", reversed_q_tiles_default=REVERSED_Q_TILES,
     )
+    spec["HAS_SINKS"] = sinks is not None
+    sinks = common.sinks_for_kernel(sinks, query)
     plan = plan_decode(decode_inputs(call, spec, query, key, kernel_options))
     pack, split_kv = plan.packing, plan.split_kv
     v_dim = spec["V_HEAD_DIM"]
@@ -140,6 +142,8 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
     if not spec["DENSE_KV"]:
         inputs.update(kv_num_blocks=tables.kv_num_blocks, kv_indices=tables.kv_indices,
                       full_kv_num_blocks=tables.full_kv_num_blocks, full_kv_indices=tables.full_kv_indices)
+    if plan.fused_merge:
+        inputs["sinks"] = sinks
     input_nodes = list(inputs.values())
     shared = {
         **spec,
@@ -171,7 +175,7 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
     if plan.fused_merge:
         out, lse, row_max = result, ir.TensorBox(buffers["lse"]), ir.TensorBox(buffers["row_max"])
     else:
-        out, lse, row_max = _merge(result, buffers["m_part"], buffers["l_part"], query, spec, plan)
+        out, lse, row_max = _merge(result, buffers["m_part"], buffers["l_part"], sinks, query, spec, plan)
     common.report_choice(
         "decode", result, config_of_choice, list(plan.configs), spec, common.REPORTED_SPECIALISATIONS,
         query, key, value, kernel_options, started=started,
@@ -181,7 +185,7 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
     return out, lse, row_max
 
 
-def _merge(acc, m_part, l_part, query, spec: dict[str, Any], plan: DecodePlan):
+def _merge(acc, m_part, l_part, sinks, query, spec: dict[str, Any], plan: DecodePlan):
     """The second pass: partial results -> out (query's layout), lse, max."""
     B, Hq, L, _ = query.get_size()
     device = query.get_device()
@@ -189,7 +193,7 @@ def _merge(acc, m_part, l_part, query, spec: dict[str, Any], plan: DecodePlan):
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
     row_max = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
-    input_nodes = [acc, m_part, l_part, lse, row_max]
+    input_nodes = [acc, m_part, l_part, lse, row_max, sinks]
     choices: list[Any] = []
     error = merge_template.maybe_append_choice(
         choices,
@@ -205,6 +209,7 @@ def _merge(acc, m_part, l_part, query, spec: dict[str, Any], plan: DecodePlan):
         V_HEAD_DIM=spec["V_HEAD_DIM"],
         V_HEAD_DIM_PAD=spec["V_HEAD_DIM_PAD"],
         ROWS_GUARANTEED_SAFE=spec["ROWS_GUARANTEED_SAFE"],
+        HAS_SINKS=spec["HAS_SINKS"],
         OUTPUT_LOGSUMEXP=spec["OUTPUT_LOGSUMEXP"],
         OUTPUT_MAX=spec["OUTPUT_MAX"],
     )

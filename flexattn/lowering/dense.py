@@ -30,7 +30,7 @@ from torch._inductor.virtualized import V
 from .. import _compat
 from .._hop import buffers_with_grad
 from .._mask_tuple import BlockMaskView
-from ..reference import dense_math, kv_block_columns, listed_grid
+from ..reference import dense_math, kv_block_columns, listed_grid, softmax_times_values
 from .common import as_tensor_boxes, realize_fixed
 
 #: Ops besides pointwise-tagged ones that act elementwise under broadcasting.
@@ -84,7 +84,8 @@ def _block_grid(num: torch.Tensor, idx: torch.Tensor, L: int, S: int, q_block: i
     return grid[..., q_block_of, :][..., kv_block_of]
 
 
-def dense_attention(query, key, value, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers):
+def dense_attention(query, key, value, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers,
+                    sinks=None):
     """``dense_math`` with the mods applied by broadcasting (same results)."""
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
@@ -102,17 +103,7 @@ def dense_attention(query, key, value, score_mod, block_mask, scale, score_mod_b
         allowed = allowed | _block_grid(bm.full_kv_num_blocks, bm.full_kv_indices, L, S, q_block, kv_block)
     allowed = allowed.expand(B, Hq, L, S)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    row_max = scores.amax(dim=-1)
-    live = row_max > float("-inf")
-    safe_max = torch.where(live, row_max, torch.zeros_like(row_max))
-    p = torch.exp(scores - safe_max[..., None])
-    denom = p.sum(dim=-1)
-    safe_denom = torch.where(live, denom, torch.ones_like(denom))
-    lse = torch.where(live, torch.log(safe_denom) + safe_max, torch.full_like(denom, float("-inf")))
-    out = (p / safe_denom[..., None]).to(query.dtype) @ v
-    out = torch.where(live[..., None], out, torch.zeros_like(out))
-    max_scores = torch.where(live, row_max, torch.full_like(row_max, float("-inf")))
-    return out, lse, max_scores
+    return softmax_times_values(scores, allowed.any(dim=-1), v, sinks)
 
 
 def _static(expr) -> int:
@@ -218,35 +209,37 @@ def _lower_graph(gm: torch.fx.GraphModule, inputs: Sequence) -> list:
 
 
 def lower_dense(query, key, value, score_mod, block_mask, scale, kernel_options,
-                score_mod_buffers, mask_mod_buffers):
+                score_mod_buffers, mask_mod_buffers, sinks=None):
     """out, lse, max_scores of the call, computed densely (see the module docstring)."""
     graph_mask = _GraphBlockMask(block_mask)
     score_graph = score_mod.graph_module
     tables = graph_mask.inputs()
     n_tables, n_score = len(tables), len(score_mod_buffers)
-    graph_inputs = [query, key, value, *tables, *score_mod_buffers, *mask_mod_buffers]
+    graph_inputs = [query, key, value, *([sinks] if sinks is not None else []), *tables, *score_mod_buffers,
+                    *mask_mod_buffers]
     math = _attention_math(score_graph, graph_mask.view.mask_mod, query.get_dtype())
 
     def dense(q, k, v, *rest):
+        sink, rest = (rest[0], rest[1:]) if sinks is not None else (None, rest)
         bm = graph_mask.with_inputs(rest[:n_tables])
         buffers = rest[n_tables:]
-        return math(q, k, v, score_graph, bm, scale, buffers[:n_score], buffers[n_score:])
+        return math(q, k, v, score_graph, bm, scale, buffers[:n_score], buffers[n_score:], sink)
 
     out, lse, max_scores = _lower_graph(_traced(dense, graph_inputs), as_tensor_boxes(graph_inputs))
     return out, lse, max_scores
 
 
 def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
-                         joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers):
+                         joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks=None):
     """grad_q, grad_k, grad_v, grad_buffers computed densely: the vjp of the dense
-    attention (see the module docstring)."""
+    attention (see the module docstring; the sinks' gradient is the autograd operator's)."""
     graph_mask = _GraphBlockMask(block_mask)
     score_graph = fw_graph.graph_module
     tables = graph_mask.inputs()
     n_tables, n_score = len(tables), len(score_mod_buffers)
     has_grad_lse = grad_logsumexp is not None
     graph_inputs = [query, key, value, grad_out, *([grad_logsumexp] if has_grad_lse else []),
-                    *tables, *score_mod_buffers, *mask_mod_buffers]
+                    *([sinks] if sinks is not None else []), *tables, *score_mod_buffers, *mask_mod_buffers]
     graph_inputs = [realize_fixed(x) for x in graph_inputs]
     wants = buffers_with_grad(joint_graph.graph_module, n_score)
     grad_positions = [i for i, w in enumerate(wants) if w]
@@ -254,6 +247,7 @@ def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsu
 
     def dense_backward(q, k, v, grad_out, *rest):
         grad_lse, rest = (rest[0], rest[1:]) if has_grad_lse else (None, rest)
+        sink, rest = (rest[0], rest[1:]) if sinks is not None else (None, rest)
         bm = graph_mask.with_inputs(rest[:n_tables])
         buffers = list(rest[n_tables:])
         score_buffers = buffers[:n_score]
@@ -262,7 +256,7 @@ def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsu
             full = list(score_buffers)
             for i, b in zip(grad_positions, differentiable_buffers):
                 full[i] = b
-            o, lse, _ = math(q, k, v, score_graph, bm, scale, full, buffers[n_score:])
+            o, lse, _ = math(q, k, v, score_graph, bm, scale, full, buffers[n_score:], sink)
             return o, lse
 
         # torch.func.vjp, not torch.autograd: it composes with the functionalize

@@ -36,11 +36,12 @@ def use_triton_template(device: torch.device) -> bool:
 
 
 def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
-                         score_mod_buffers=(), mask_mod_buffers=()):
+                         score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
     """The lowering registered for ``flexattn._hop.flex_attention_hop``."""
     inline_scalar_items(score_mod, BlockMaskView(*block_mask).mask_mod)
     check_positive_lengths(query, key)
-    args = (query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers)
+    args = (query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers,
+            sinks)
     device = query.get_device()
     if use_triton_template(device):
         if wants_decode_kernel(hint(query.get_size()[2]), hint(key.get_size()[2]), kernel_options or {}):
@@ -58,8 +59,10 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
 
 def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
                                   joint_graph, block_mask, scale, kernel_options, score_mod_buffers=(),
-                                  mask_mod_buffers=()):
-    """The lowering registered for ``flexattn._hop.flex_attention_backward_hop``."""
+                                  mask_mod_buffers=(), sinks=None):
+    """The lowering registered for ``flexattn._hop.flex_attention_backward_hop``; the
+    kernel recomputes probabilities from the forward's lse, which already holds the
+    sinks, so only the dense path reads them."""
     inline_scalar_items(fw_graph, joint_graph, BlockMaskView(*block_mask).mask_mod)
     check_positive_lengths(query, key)
     device = query.get_device()
@@ -69,7 +72,7 @@ def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
     if device.type == "cpu":
         started = time.perf_counter()
         result = lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
-                                      joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers)
+                                      joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks)
         log.info("flexattn backward on CPU with cpu_backend=%r: dense decomposition, lowered in %.2f s",
                  _compat.inductor_cpu_backend(), time.perf_counter() - started)
         return result

@@ -47,7 +47,7 @@ forward_template = TritonTemplate(
 
 
 def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_options,
-                  score_mod_buffers, mask_mod_buffers):
+                  score_mod_buffers, mask_mod_buffers, sinks=None):
     """out, lse, max_scores of a forward call, from the forward template."""
     started = time.perf_counter()
     kernel_options = dict(kernel_options or {})
@@ -65,6 +65,7 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
         reversed_q_tiles_default=forward_configs.REVERSED_Q_TILES,
     )
 
+    spec["HAS_SINKS"] = sinks is not None
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     # The kernel writes lse and row_max in place: the template's extra outputs.
     lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
@@ -86,7 +87,8 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
     # The order of forward.py.jinja's def_kernel.
     inputs = {"query": query, "key": key, "value": value, "lse": lse, "row_max": row_max,
               "kv_num_blocks": tables.kv_num_blocks, "kv_indices": tables.kv_indices,
-              "full_kv_num_blocks": tables.full_kv_num_blocks, "full_kv_indices": tables.full_kv_indices}
+              "full_kv_num_blocks": tables.full_kv_num_blocks, "full_kv_indices": tables.full_kv_indices,
+              "sinks": common.sinks_for_kernel(sinks, query)}
     input_nodes = list(inputs.values())
     choices, config_of_choice = common.template_choices(
         forward_template, usable, "forward",
