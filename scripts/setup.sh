@@ -6,7 +6,8 @@
 # does not pick whatever is newest; whether that is a CPU or a CUDA build is up to the
 # index pip uses: this project's CI machines resolve it to a CPU build); a machine that
 # has torch (the GPU image: 2.11) keeps it. Then `pip install -e .` (with `test`, the
-# [test] extra: pytest, pytest-xdist, numpy, pyflakes, sphinx).
+# [test] extra: pytest, pytest-xdist, numpy, pyflakes, sphinx, and transformers for the
+# client test of tests/test_transformers_client.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,4 +1,4 @@
-"""The benchmark harness itself (bench/bench_attention.py, bench/plot.py, bench/report.py,
+"""The benchmark harness itself (bench/bench_attention.py, bench/bench_sinks.py, bench/plot.py, bench/report.py,
 the options of bench/tune.py and bench/profiler.py, bench/DECISIONS.md's citations), on
 the CPU.
 
@@ -234,3 +234,15 @@ def test_tune_and_profiler_options_depend_on_the_kernel(monkeypatch):
     assert profiler.parse_args(["--kernel", "attention"]).mode == "fwdbwd"
     with pytest.raises(SystemExit):
         profiler.parse_args(["--kernel", "attention", "--paged"])
+
+
+def test_sinks_benchmark_dry_run(tmp_path):
+    """bench/bench_sinks.py runs and records every case, with and without sinks timed
+    (torch's compiled flex has no lse or backward on a CPU: its cells hold the error)."""
+    report = _load("bench_sinks").main(["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
+    saved = json.loads(next(tmp_path.glob("sinks-cpu-*.json")).read_text())
+    assert saved["rows"] and saved["command"].startswith("python")
+    for row in report["rows"]:
+        assert row["median_ms"]["flexattn"] > 0 and row["median_ms"]["flexattn_sinks"] > 0, row
+        assert row["sinks_over_plain"] > 0
+        assert "torch_renorm" in row["median_ms"] or "torch_renorm" in row["errors"]
