@@ -124,6 +124,25 @@ def heat_picture(score_mod, start: str) -> torch.Tensor:
     return _scaled(torch.stack([red, green, blue], -1).to(torch.uint8), PIXELS)
 
 
+#: name -> (the code a user writes, the sink logit drawn).
+SINKS = {"sinks": ("sinks = torch.zeros(H)  # one logit per head, here 0", 0.0)}
+
+
+def sink_picture(sink: float) -> torch.Tensor:
+    """The attention weights of a causal mask over equal scores (v the identity, so the
+    output rows are the weights), then a gap and the sink's weight, 1 - the row's sum:
+    a row that sees n keys gives each key and the sink 1/(n+1). Dark = weight 1."""
+    q = torch.zeros(1, 1, S, 8)
+    eye = torch.eye(S).view(1, 1, S, S)
+    bm = flexattn.create_block_mask(mods.causal_mask, 1, 1, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+    with flexattn.eager_mods():
+        weights = flexattn.flex_attention(q, q, eye, block_mask=bm, sinks=torch.full((1,), sink))[0, 0]
+    sink_weight = (1 - weights.sum(-1, keepdim=True)).clamp(0, 1).expand(S, 4)
+    gap = torch.zeros(S, 2)
+    shade = 255 * (1 - torch.cat([weights, gap, sink_weight], -1).sqrt())
+    return _scaled(shade.round().to(torch.uint8)[..., None].expand(S, S + 6, 3), PIXELS)
+
+
 def render() -> dict[str, bytes]:
     """Every file of docs/gallery/, by name."""
     files: dict[str, bytes] = {}
@@ -145,6 +164,12 @@ def render() -> dict[str, bytes]:
         lines += [f"## `{name}`", "", "```python", f"score_mod = {code}",
                   "out = flexattn.flex_attention(q, k, v, score_mod=score_mod)", "```", "",
                   f"![{name}]({name}.png)", ""]
+    for name, (code, sink) in SINKS.items():
+        files[f"{name}.png"] = png(sink_picture(sink))
+        lines += [f"## `{name}` (attention sinks)", "", "```python", code,
+                  "out = flexattn.flex_attention(q, k, v, block_mask=causal, sinks=sinks)", "```", "",
+                  "The weights of a causal mask over equal scores, dark = 1 (square-root scale); right of the",
+                  "gap, the sink's share of each row.", "", f"![{name}]({name}.png)", ""]
     files["README.md"] = "\n".join(lines).encode()
     return files
 

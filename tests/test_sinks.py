@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import flexattn
 from flexattn import AuxRequest, BlockMask, create_block_mask, mods
@@ -185,3 +186,28 @@ def test_bad_sinks_are_refused():
     if ON_CUDA:
         with pytest.raises(ValueError, match="sinks must be on query's device"):
             flexattn.flex_attention(q, k, v, sinks=torch.zeros(4))
+
+
+def test_training_steps_over_lengths_compile_at_most_twice():
+    """A compiled step reused over sequence lengths with learned sinks (a Parameter shared
+    by all steps): results within the three-way bound at every length, at most two
+    compiles (the first length, then one dynamic graph)."""
+    counter = CompileCounterWithBackend("inductor")
+    H, Hkv, E = 4, 2, 16
+    sinks = torch.nn.Parameter(harness.randn(harness.generator(30), H))
+
+    def step(q, k, v, sinks, block_mask):
+        out, aux = flexattn.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, sinks=sinks,
+                                           return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for i, n in enumerate((64, 96, 80)):
+        gen = harness.generator(31 + i)
+        q, k, v = harness.make_inputs(gen, B=1, Hq=H, Hkv=Hkv, L=n, S=n, E=E, dtype=torch.float32,
+                                      requires_grad=True)
+        grad_out, grad_lse = harness.make_output_grads(gen, q, v, with_lse=True)
+        bm = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
+        _check_call(lambda q, k, v, s, bm=bm: compiled(q, k, v, s, bm), q, k, v, sinks,
+                    (bm.as_tuple(), E ** -0.5, _identity), torch.float32, grad_out, grad_lse)
+    assert counter.frame_count <= 2, counter.frame_count
