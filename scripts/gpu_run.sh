@@ -2,6 +2,8 @@
 # One device-tool call: the CUDA test run and the benchmarks, logs under $OUT.
 #   bash scripts/gpu_run.sh "<pytest targets>" "<bench args>" [test_budget_s] [bench_budget_s]
 # Prints a short summary last. Uses the machine's own torch (2.11) and triton (3.6).
+# The whole CUDA suite outgrew one 600 s call: FLEXATTN_SHARD=i/n (tests/conftest.py) runs
+# every n-th test from the i-th, e.g. three calls with 1/3, 2/3 and 3/3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

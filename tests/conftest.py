@@ -59,6 +59,22 @@ def inductor_runs_flexattn_kernels():
         yield
 
 
+def pytest_collection_modifyitems(config, items):
+    """FLEXATTN_SHARD="i/n" keeps every n-th collected test from the i-th on (1-based),
+    so the CUDA suite splits into n device calls of similar length (each shard takes
+    tests of every file)."""
+    shard = os.environ.get("FLEXATTN_SHARD")
+    if not shard:
+        return
+    index, count = (int(x) for x in shard.split("/"))
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"FLEXATTN_SHARD must be i/n with 1 <= i <= n, got {shard!r}")
+    kept = [item for position, item in enumerate(items) if position % count == index - 1]
+    config.hook.pytest_deselected(items=[item for position, item in enumerate(items)
+                                         if position % count != index - 1])
+    items[:] = kept
+
+
 def pytest_runtest_logreport(report):
     """With FLEXATTN_FAIL_LOG set, append each failure's report there as it happens (a
     run cut off by a time limit still leaves its failures behind); with

@@ -237,6 +237,17 @@ def test_comparison_with_a_half_table_rounds_the_scalar_as_eager(table_dtype):
     run_case(dtype=torch.float16, B=B, Hq=H, L=n, S=n, score_mod=score_mod, block_mask_tuple=bm.as_tuple())
 
 
+@pytest.mark.parametrize("score_mod", [None, mods.tanh_softcap(5.0)], ids=["no_score_mod", "softcap"])
+@pytest.mark.parametrize("options", [{}, {"PRESCALE_QK": True}], ids=["plain", "prescale"])
+def test_float64_to_float64_precision(score_mod, options):
+    """A float64 call meets float64's floor: the scale, log2(e) and ln(2) enter the kernel
+    as float64 constants (a bare Python float enters Triton's arithmetic as float32,
+    about 3e-8 relative error)."""
+    n = scaled(48, 300)
+    run_case(dtype=torch.float64, L=n, S=n, scale=1 / 3, score_mod=score_mod, mask_mod=mods.causal_mask,
+             block_size=16, options=options)
+
+
 # --------------------------------------------------------------------------------------
 # kernel_options and block sizes
 # --------------------------------------------------------------------------------------

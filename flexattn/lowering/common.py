@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -394,12 +395,32 @@ def kernel_specialisations(
         "USE_TMA": use_tma(kernel_options, query, key, value, kernel, qk_pad, extra_tma_operands),
     }
     spec.update(read_bool_options(kernel_options, reversed_q_tiles_default))
+    spec["EXP2_SCALE"] = exp2_scale(spec["SM_SCALE"], has_score_mod, spec["PRESCALE_QK"])
     # flex_attention's own default mask (every block full, in order, in both views):
     # the kernels walk every position from 0 without reading its tables (DENSE_KV).
     spec["DENSE_KV"] = bool(_options.read_internal(kernel_options, "DEFAULT_MASK")) and has_full_blocks
     if spec["DENSE_KV"]:
         spec["BLOCKS_ARE_CONTIGUOUS"] = True
     return spec
+
+
+#: log2(e), as common.py.jinja's LOG2_E.
+LOG2_E = math.log2(math.e)
+
+
+def exp2_scale(scale: float, has_score_mod: bool, prescale_qk: bool) -> float:
+    """The EXP2_SCALE constexpr: the factor from a loop's scores to base-2 softmax
+    exponents, applied after the row max and the masks, so it must be positive.
+    score_mod's output is in natural units (LOG2_E); without one the loop keeps the raw
+    product, which still needs the scale (scale * LOG2_E) unless PRESCALE_QK put it in
+    q, or unless the scale is not positive: then the loop scales the scores itself
+    (scale_scores in common.py.jinja), and it is 1. Derived here in double precision: a
+    jitted helper's result reaches the kernel as a float32 value."""
+    if has_score_mod:
+        return LOG2_E
+    if prescale_qk or scale <= 0:
+        return 1.0
+    return scale * LOG2_E
 
 
 def divisible(length, block: int) -> bool:
