@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import flexattn
-from flexattn import AuxRequest, BlockMask, create_block_mask, mods
+from flexattn import AuxRequest, BlockMask, create_block_mask, mods, noop_mask
 from flexattn.reference import dense_math
 
 import _harness as harness
@@ -211,3 +211,19 @@ def test_training_steps_over_lengths_compile_at_most_twice():
         _check_call(lambda q, k, v, s, bm=bm: compiled(q, k, v, s, bm), q, k, v, sinks,
                     (bm.as_tuple(), E ** -0.5, _identity), torch.float32, grad_out, grad_lse)
     assert counter.frame_count <= 2, counter.frame_count
+
+
+@pytest.mark.parametrize("L, S", [(scaled(40, 300), scaled(72, 333)), (2, scaled(300, 2000))], ids=["forward", "decode"])
+def test_default_mask(L, S):
+    """block_mask=None (the kernels' walk over every key without tables, DENSE_KV) folds
+    the sinks in as the listed walk does, in the forward and the decode kernel."""
+    gen = harness.generator(40)
+    q, k, v = harness.make_inputs(gen, B=2, Hq=4, Hkv=2, L=L, S=S, E=16, dtype=torch.float16)
+    sinks = harness.randn(gen, 4)
+    out, aux = torch.compile(
+        lambda q, k, v, s: flexattn.flex_attention(q, k, v, sinks=s, enable_gqa=True, return_aux=AuxRequest(lse=True)),
+        backend="inductor", fullgraph=True)(q, k, v, sinks)
+    full = create_block_mask(noop_mask, None, None, L, S, device=DEVICE).as_tuple()
+    golden, ref = harness.reference_runs(
+        lambda q, k, v, s: dense_math(q, k, v, _identity, full, 0.25, (), (), s), (q, k, v, sinks))
+    harness.check_attention((out, aux.lse), ref, golden, torch.float16, max_scores=False)
