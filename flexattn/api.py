@@ -399,11 +399,11 @@ def flex_attention(
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
     options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION))
 
-    args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options, sinks)
+    args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)
     if torch.compiler.is_compiling():
-        out, lse, max_scores = flex_attention_hop(*args[:-1], sinks=sinks)
+        out, lse, max_scores = flex_attention_hop(*args, sinks=sinks)
     else:
-        out, lse, max_scores = _run_eagerly(*args)
+        out, lse, max_scores = _run_eagerly(*args, sinks)
 
     if return_lse:
         return out, lse

@@ -166,7 +166,7 @@ def sinks_for_kernel(sinks, query):
     B, Hq = query.get_size()[:2]
     dtype = stats_dtype(query.get_dtype())
     node = sinks if sinks.get_dtype() == dtype else to_dtype(sinks, dtype)
-    return broadcast_to(expand(node, [B, Hq]), [B, Hq])
+    return broadcast_to(node, [B, Hq])
 
 
 def output_layout(query, v_head_dim) -> ir.FixedLayout:
