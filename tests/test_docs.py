@@ -14,9 +14,25 @@ import pytest
 import flexattn
 from flexattn import mods
 
-# The submodule, not just "sphinx": an unrelated namespace package of that name would pass.
-pytest.importorskip("sphinx.util.inventory", reason="sphinx is in the [test] extra")
-from sphinx.util.inventory import InventoryFile  # noqa: E402
+
+def _import_inventory_file():
+    """sphinx's InventoryFile, or None. The submodule, not just "sphinx": an unrelated
+    namespace package of that name would pass. A failed import leaves no partial
+    "sphinx" in sys.modules: scipy, imported later by transformers in the same worker,
+    reads sphinx's presence from sys.modules and then imports sphinx.ext."""
+    before = set(sys.modules)
+    try:
+        from sphinx.util.inventory import InventoryFile
+    except ImportError:
+        for name in set(sys.modules) - before:
+            del sys.modules[name]
+        return None
+    return InventoryFile
+
+
+InventoryFile = _import_inventory_file()
+if InventoryFile is None:
+    pytest.skip("sphinx is in the [test] extra", allow_module_level=True)
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "api"
 
