@@ -27,7 +27,7 @@ from .reference import IndexWithTensors
 
 _HOP_ARG_NAMES = (
     "query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options",
-    "score_mod_buffers", "mask_mod_buffers", "sinks",
+    "score_mod_buffers", "mask_mod_buffers", "sinks", "dropout_seed",
 )
 
 _registered = False
@@ -102,11 +102,11 @@ def _make_variable_class():
                 bound["query"], bound["key"], bound["value"],
                 support.TupleVariable(list(fields.without_mask_mod())),
             ]
-            sinks = bound.get("sinks")
-            if sinks is not None and sinks.is_python_constant() and sinks.as_python_constant() is None:
-                sinks = None
-            (q, k, v, bm, *sinks_proxy), _ = support.proxy_args_kwargs(
-                proxied + ([sinks] if sinks is not None else []), {})
+            optional = [_tensor_or_none(bound.get(name)) for name in ("sinks", "dropout_seed")]
+            (q, k, v, bm, *optional_proxies), _ = support.proxy_args_kwargs(
+                proxied + [t for t in optional if t is not None], {})
+            proxies = iter(optional_proxies)
+            sinks_proxy, seed_proxy = (None if t is None else next(proxies) for t in optional)
             # The scale is folded into the kernel as a constant (1/sqrt(E) follows the
             # head dim, which the kernel specialises on anyway).
             scale = float(_as_python_value(bound["scale"]))
@@ -115,12 +115,19 @@ def _make_variable_class():
                 "call_function",
                 self.value,
                 args=(q, k, v, score_node, tuple(bm) + (mask_node,), scale, kernel_options,
-                      score_lifted, mask_lifted, sinks_proxy[0] if sinks_proxy else None),
+                      score_lifted, mask_lifted, sinks_proxy, seed_proxy),
                 kwargs={},
             )
             return support.wrap_fx_proxy(tx=tx, proxy=proxy, example_value=None)
 
     return FlexAttnHOPVariable
+
+
+def _tensor_or_none(var):
+    """An optional tensor argument's variable, or None where the call passed None."""
+    if var is not None and var.is_python_constant() and var.as_python_constant() is None:
+        return None
+    return var
 
 
 def _as_python_value(var):

@@ -19,7 +19,7 @@ Operator contract (the lowering relies on it)::
 
     out, lse, max_scores = flex_attention_hop(
         query, key, value, score_mod, block_mask, scale, kernel_options,
-        score_mod_buffers, mask_mod_buffers, sinks=None)
+        score_mod_buffers, mask_mod_buffers, sinks=None, dropout_seed=None)
 
 query (B, Hq, L, E); key (Bkv, Hkv, S, E); value (Bkv, Hkv, S, Ev); Bkv in {1, B};
 Hq % Hkv == 0. ``block_mask`` is ``BlockMask.as_tuple()``: ``(q_len, kv_len,
@@ -30,7 +30,10 @@ q_indices, full_q_num_blocks, full_q_indices, Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_
 ``-inf`` on rows where every key is masked (whose ``out`` row is 0). ``sinks``: None
 or per-head logits (Hq,) or (B, Hq) of any float dtype, each one more key of value zero
 in its rows' softmax (``reference.dense_math``); with sinks the lse includes them and
-a row with every key masked has lse = sink.
+a row with every key masked has lse = sink. ``dropout_seed``: None, or with
+``kernel_options``' internal DROPOUT_P > 0 the call's (2,) int64 seed (key, stream) of
+the keep mask (``reference.dropout_keep``); the backward operator takes the same seed
+and regenerates the mask.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from torch import Tensor
 from . import _compat
 from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode, pytree
 from ._mask_tuple import BlockMaskView
-from .reference import IndexWithTensors, dense_math, sink_rows, stats_dtype
+from . import options as _options
+from .reference import Dropout, IndexWithTensors, dense_math, sink_rows, stats_dtype
 
 #: The error of a call that needs a backward with a mask built without the transposed lists.
 NO_Q_BLOCKS_ERROR = (
@@ -82,12 +86,13 @@ class FlexAttentionHOP(_compat.HigherOrderOperator):
         score_mod_buffers: tuple = (),
         mask_mod_buffers: tuple = (),
         sinks: Tensor | None = None,
+        dropout_seed: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         _check_buffers("score_mod_buffers", score_mod_buffers)
         _check_buffers("mask_mod_buffers", mask_mod_buffers)
         return super().__call__(
             query, key, value, score_mod, block_mask, scale, kernel_options,
-            tuple(score_mod_buffers), tuple(mask_mod_buffers), sinks,
+            tuple(score_mod_buffers), tuple(mask_mod_buffers), sinks, dropout_seed,
         )
 
 
@@ -112,13 +117,14 @@ class FlexAttentionBackwardHOP(_compat.HigherOrderOperator):
         score_mod_buffers: tuple = (),
         mask_mod_buffers: tuple = (),
         sinks: Tensor | None = None,
+        dropout_seed: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor | None, ...]]:
         _check_buffers("score_mod_buffers", score_mod_buffers)
         _check_buffers("mask_mod_buffers", mask_mod_buffers)
         return super().__call__(
             query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
             joint_graph, block_mask, scale, kernel_options,
-            tuple(score_mod_buffers), tuple(mask_mod_buffers), sinks,
+            tuple(score_mod_buffers), tuple(mask_mod_buffers), sinks, dropout_seed,
         )
 
 
@@ -143,6 +149,16 @@ def _check_buffers(name: str, buffers: Sequence) -> None:
                 f"flexattn: {name}[{i}] must be a tensor or a Python scalar captured by the "
                 f"mod, got {type(buf).__name__}"
             )
+
+
+def call_dropout(kernel_options: dict[str, Any], dropout_seed: Tensor | None) -> Dropout | None:
+    """The call's dropout (the internal DROPOUT_P option and the seed), or None."""
+    p = _options.read_internal(kernel_options, "DROPOUT_P")
+    if not p:
+        return None
+    if dropout_seed is None:
+        raise RuntimeError("flexattn: a call with dropout reached the operator without its seed")
+    return Dropout(float(p), dropout_seed)
 
 
 def identity_score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -181,11 +197,12 @@ def _empty_outputs(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor
 @flex_attention_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def dense_flex_attention(
     query, key, value, score_mod, block_mask, scale, kernel_options,
-    score_mod_buffers=(), mask_mod_buffers=(), sinks=None,
+    score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None,
 ):
     """The reference: ``dense_math`` with its output laid out as the kernels lay it."""
     out, lse, max_scores = dense_math(
-        query, key, value, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks
+        query, key, value, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks,
+        call_dropout(kernel_options, dropout_seed),
     )
     result, _, _ = _empty_outputs(query, value)
     result.copy_(out)
@@ -194,7 +211,7 @@ def dense_flex_attention(
 
 @flex_attention_hop.py_impl(FakeTensorMode)
 def _fake_flex_attention(mode, query, key, value, score_mod, block_mask, scale, kernel_options,
-                         score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+                         score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
     with mode:
         return _empty_outputs(query, value)
 
@@ -230,13 +247,13 @@ def _record(mode: ProxyTorchDispatchMode, op, args: tuple, example_out):
 
 @flex_attention_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy_flex_attention(mode, query, key, value, score_mod, block_mask, scale, kernel_options,
-                          score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+                          score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
     example_out = flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
-                                     score_mod_buffers, mask_mod_buffers, sinks)
+                                     score_mod_buffers, mask_mod_buffers, sinks, dropout_seed)
     score_graph, traced_block_mask = _trace_mods_in(mode, query, score_mod, block_mask,
                                                     score_mod_buffers, mask_mod_buffers)
     args = (query, key, value, score_graph, traced_block_mask, scale, kernel_options,
-            score_mod_buffers, mask_mod_buffers, sinks)
+            score_mod_buffers, mask_mod_buffers, sinks, dropout_seed)
     return _record(mode, flex_attention_hop, args, example_out)
 
 
@@ -285,9 +302,10 @@ def reject_mutating_mod(name: str, mod: Callable, example_args: Sequence) -> Non
 
 @flex_attention_hop.py_functionalize_impl
 def _functionalize_flex_attention(ctx, query, key, value, score_mod, block_mask, scale, kernel_options,
-                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
     q, k, v = ctx.unwrap_tensors([query, key, value])
     sinks = None if sinks is None else ctx.unwrap_tensors(sinks)
+    dropout_seed = None if dropout_seed is None else ctx.unwrap_tensors(dropout_seed)
     bm = BlockMaskView(*ctx.unwrap_tensors(block_mask))
     smb = ctx.unwrap_tensors(score_mod_buffers)
     mmb = ctx.unwrap_tensors(mask_mod_buffers)
@@ -297,7 +315,7 @@ def _functionalize_flex_attention(ctx, query, key, value, score_mod, block_mask,
         functional_score_mod = ctx.functionalize(score_mod)
         functional_bm = tuple(bm._replace(mask_mod=ctx.functionalize(bm.mask_mod)))
         out = flex_attention_hop(q, k, v, functional_score_mod, functional_bm, scale, kernel_options,
-                                 tuple(smb), tuple(mmb), sinks)
+                                 tuple(smb), tuple(mmb), sinks, dropout_seed)
     return ctx.wrap_tensors(out)
 
 
@@ -348,11 +366,11 @@ _SAVED = object()
 class FlexAttentionAutogradOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
-                sinks, mask_mod_buffers, *score_mod_buffers):
+                sinks, dropout_seed, mask_mod_buffers, *score_mod_buffers):
         with _compat.below_autograd():
             out, lse, max_scores = flex_attention_hop(
                 query, key, value, fw_graph, block_mask, scale, kernel_options,
-                score_mod_buffers, mask_mod_buffers, sinks,
+                score_mod_buffers, mask_mod_buffers, sinks, dropout_seed,
             )
         ctx.mark_non_differentiable(max_scores)
         ctx._fw_graph = fw_graph
@@ -362,7 +380,8 @@ class FlexAttentionAutogradOp(torch.autograd.Function):
         ctx._counts = (len(block_mask), len(score_mod_buffers))
         # save_for_backward takes tensors only; sizes (SymInts under dynamic shapes), the
         # mask_mod and absent tables stay on ctx in their places.
-        items = [query, key, value, out, lse, sinks, *block_mask, *score_mod_buffers, *mask_mod_buffers]
+        items = [query, key, value, out, lse, sinks, dropout_seed, *block_mask, *score_mod_buffers,
+                 *mask_mod_buffers]
         ctx._layout = [_SAVED if isinstance(x, Tensor) else x for x in items]
         ctx.save_for_backward(*(x for x in items if isinstance(x, Tensor)))
         return out, lse, max_scores
@@ -371,33 +390,34 @@ class FlexAttentionAutogradOp(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_max_scores):
         saved = iter(ctx.saved_tensors)
         items = [next(saved) if x is _SAVED else x for x in ctx._layout]
-        query, key, value, out, lse, sinks = items[:6]
+        query, key, value, out, lse, sinks, dropout_seed = items[:7]
         n_mask, n_score = ctx._counts
-        block_mask = tuple(items[6:6 + n_mask])
-        score_mod_buffers = tuple(items[6 + n_mask:6 + n_mask + n_score])
-        mask_mod_buffers = tuple(items[6 + n_mask + n_score:])
+        block_mask = tuple(items[7:7 + n_mask])
+        score_mod_buffers = tuple(items[7 + n_mask:7 + n_mask + n_score])
+        mask_mod_buffers = tuple(items[7 + n_mask + n_score:])
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grad_q = grad_k = grad_v = None
         grad_buffers = [None] * n_score
-        if any(ctx.needs_input_grad[:3]) or any(ctx.needs_input_grad[10:]):
+        if any(ctx.needs_input_grad[:3]) or any(ctx.needs_input_grad[11:]):
             grad_q, grad_k, grad_v, grad_buffers = flex_attention_backward_hop(
                 query, key, value, out, lse, grad_out, grad_lse, ctx._fw_graph, ctx._joint_graph,
                 block_mask, ctx._scale, ctx._kernel_options, score_mod_buffers, mask_mod_buffers, sinks,
+                dropout_seed,
             )
         grad_sinks = sink_grad(sinks, out, lse, grad_out, grad_lse) if ctx.needs_input_grad[8] else None
-        return (grad_q, grad_k, grad_v, None, None, None, None, None, grad_sinks, None, *grad_buffers)
+        return (grad_q, grad_k, grad_v, None, None, None, None, None, grad_sinks, None, None, *grad_buffers)
 
 
 @flex_attention_hop.py_impl(DispatchKey.Autograd)
 def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
-                             score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+                             score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
     grad_enabled = torch.is_grad_enabled()
     needs_grad = grad_enabled and any(_grad_capable(t) for t in (query, key, value, *score_mod_buffers))
     if not needs_grad and not (grad_enabled and _grad_capable(sinks)):
         with _compat.below_autograd():
             return flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options,
-                                      score_mod_buffers, mask_mod_buffers, sinks)
+                                      score_mod_buffers, mask_mod_buffers, sinks, dropout_seed)
     if needs_grad and BlockMaskView(*block_mask).q_indices is None:
         # q, k and v were checked in api.flex_attention: here it is a score_mod buffer.
         raise MissingQBlocksError(NO_Q_BLOCKS_ERROR.format(what="a tensor captured by score_mod"))
@@ -407,7 +427,7 @@ def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, ke
     kernel_options = {**kernel_options, "OUTPUT_LOGSUMEXP": True}
     return FlexAttentionAutogradOp.apply(
         query, key, value, fw_graph, joint_graph, block_mask, scale, kernel_options,
-        sinks, tuple(mask_mod_buffers), *score_mod_buffers,
+        sinks, dropout_seed, tuple(mask_mod_buffers), *score_mod_buffers,
     )
 
 
@@ -434,13 +454,13 @@ def sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, grad_ls
 # --------------------------------------------------------------------------------------
 def _autocast(device_type: str, key: DispatchKey):
     def impl(query, key_, value, score_mod, block_mask, scale, kernel_options,
-             score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+             score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
         dtype = torch.get_autocast_dtype(device_type)
         if query.is_floating_point() and query.dtype != torch.float64:
             query, key_, value = (t.to(dtype) for t in (query, key_, value))
         with _compat.exclude_dispatch_key(key):
             return flex_attention_hop(query, key_, value, score_mod, block_mask, scale, kernel_options,
-                                      score_mod_buffers, mask_mod_buffers, sinks)
+                                      score_mod_buffers, mask_mod_buffers, sinks, dropout_seed)
 
     return impl
 
@@ -455,7 +475,7 @@ flex_attention_hop.py_impl(DispatchKey.AutocastCPU)(_autocast("cpu", DispatchKey
 @flex_attention_backward_hop.py_impl(DispatchKey.CompositeExplicitAutograd)
 def dense_flex_attention_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp,
                                   fw_graph, joint_graph, block_mask, scale, kernel_options,
-                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
     """Reference gradients: autograd through ``dense_math`` with the forward graph.
 
     The joint graph is not needed here (autograd derives the same vjp); it is part of
@@ -469,7 +489,8 @@ def dense_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
         v = value.detach().requires_grad_(True)
         buffers = [b.detach().requires_grad_(True) if w else b for b, w in zip(score_mod_buffers, wants)]
         o, lse, _ = dense_math(q, k, v, fw_graph, block_mask, scale, buffers, mask_mod_buffers,
-                               None if sinks is None else sinks.detach())
+                               None if sinks is None else sinks.detach(),
+                               call_dropout(kernel_options, dropout_seed))
         outputs, cotangents = [o], [grad_out]
         if grad_logsumexp is not None:
             outputs.append(lse)
@@ -510,7 +531,7 @@ def _empty_backward_outputs(query, key, value, score_mod_buffers, joint_graph):
 @flex_attention_backward_hop.py_impl(FakeTensorMode)
 def _fake_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
                                   fw_graph, joint_graph, block_mask, scale, kernel_options,
-                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+                                  score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
     with mode:
         return _empty_backward_outputs(query, key, value, score_mod_buffers, joint_graph)
 
@@ -518,10 +539,10 @@ def _fake_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_
 @flex_attention_backward_hop.py_impl(ProxyTorchDispatchMode)
 def _proxy_flex_attention_backward(mode, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
                                    fw_graph, joint_graph, block_mask, scale, kernel_options,
-                                   score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+                                   score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
     example_out = flex_attention_backward_hop(
         query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
-        block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers, sinks,
+        block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers, sinks, dropout_seed,
     )
     with IndexWithTensors():
         fw = _compat.reenter_make_fx(fw_graph)(*scalar_examples(query, True), *score_mod_buffers)
@@ -535,16 +556,18 @@ def _proxy_flex_attention_backward(mode, query, key, value, out, logsumexp, grad
         mode.tracer.root.register_module(_compat.unique_graph_name(mode, prefix), gm)
     traced_block_mask = tuple(BlockMaskView(*block_mask)._replace(mask_mod=mask_graph))
     args = (query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw, joint, traced_block_mask,
-            scale, kernel_options, score_mod_buffers, mask_mod_buffers, sinks)
+            scale, kernel_options, score_mod_buffers, mask_mod_buffers, sinks, dropout_seed)
     return _record(mode, flex_attention_backward_hop, args, example_out)
 
 
 @flex_attention_backward_hop.py_functionalize_impl
 def _functionalize_flex_attention_backward(ctx, query, key, value, out, logsumexp, grad_out, grad_logsumexp,
                                            fw_graph, joint_graph, block_mask, scale, kernel_options,
-                                           score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
+                                           score_mod_buffers=(), mask_mod_buffers=(), sinks=None,
+                                           dropout_seed=None):
     unwrapped = ctx.unwrap_tensors([query, key, value, out, logsumexp, grad_out])
     sinks = None if sinks is None else ctx.unwrap_tensors(sinks)
+    dropout_seed = None if dropout_seed is None else ctx.unwrap_tensors(dropout_seed)
     g_lse = ctx.unwrap_tensors(grad_logsumexp) if grad_logsumexp is not None else None
     bm = BlockMaskView(*ctx.unwrap_tensors(block_mask))
     smb = ctx.unwrap_tensors(score_mod_buffers)
@@ -553,7 +576,7 @@ def _functionalize_flex_attention_backward(ctx, query, key, value, out, logsumex
         functional_bm = tuple(bm._replace(mask_mod=ctx.functionalize(bm.mask_mod)))
         grads = flex_attention_backward_hop(
             *unwrapped, g_lse, fw_graph, joint_graph,
-            functional_bm, scale, kernel_options, tuple(smb), tuple(mmb), sinks,
+            functional_bm, scale, kernel_options, tuple(smb), tuple(mmb), sinks, dropout_seed,
         )
     return ctx.wrap_tensors(grads)
 

@@ -32,9 +32,9 @@ from torch import Tensor
 
 from . import _compat
 from . import options as _options
-from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, flex_attention_hop, identity_score_mod
+from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, call_dropout, flex_attention_hop, identity_score_mod
 from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, _sliced_mask_mod, noop_mask
-from .reference import dense_math
+from .reference import attention_probabilities, dense_math
 
 log = logging.getLogger("flexattn.api")
 
@@ -69,10 +69,19 @@ class AuxRequest:
 
     lse: the log-sum-exp of each query row's scores (natural log, float32, (B, H, L)).
     max_scores: the largest modified score of each query row (float32, (B, H, L)).
+    probabilities: a debugging aid (FlashAttention's return-softmax): the attention
+    probabilities as the call applies them, (B, H, L, S) float32 (float64 for float64
+    inputs), after score_mod, the mask and the sinks; with dropout the kept entries are
+    scaled by 1 / (1 - dropout_p) and the dropped ones carry a minus sign (their sign bit
+    is set, also where the probability is 0), so ``probabilities.clamp(min=0)`` is what
+    multiplies the values and ``torch.signbit(probabilities)`` the dropout mask. Computed
+    densely beside the fused call (the kernels never hold the matrix), so only for
+    shapes with at most ``MAX_PROBABILITIES`` entries.
     """
 
     lse: bool = False
     max_scores: bool = False
+    probabilities: bool = False
 
 
 class AuxOutput(NamedTuple):
@@ -80,6 +89,11 @@ class AuxOutput(NamedTuple):
 
     lse: Tensor | None = None
     max_scores: Tensor | None = None
+    probabilities: Tensor | None = None
+
+
+#: The most entries (B * H * L * S) that AuxRequest(probabilities=True) returns.
+MAX_PROBABILITIES = 1 << 26
 
 
 # --------------------------------------------------------------------------------------
@@ -102,6 +116,21 @@ def _check_sinks(sinks: Any, query: Tensor) -> None:
         raise TypeError(f"flexattn: sinks must have a floating dtype, got {sinks.dtype}")
     if sinks.device != query.device:
         raise ValueError(f"flexattn: sinks must be on query's device {query.device}, got {sinks.device}")
+
+
+def _check_dropout_p(dropout_p: Any, kernel_options: dict[str, Any]) -> float:
+    """dropout_p as a float in [0, 1) (TypeError / ValueError otherwise, as SDPA's
+    arguments); a call that forces the decode kernel cannot have dropout (it is the
+    forward kernel's)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"flexattn: dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"flexattn: dropout_p must be in [0, 1), got {dropout_p}")
+    forced = kernel_options.get("FORCE_DECODE") or kernel_options.get("BACKEND") == "TRITON_DECODE"
+    if dropout_p > 0 and forced:
+        raise ValueError("flexattn: dropout_p > 0 runs in the forward kernel; kernel_options FORCE_DECODE=True / "
+                         "BACKEND='TRITON_DECODE' ask for the decode kernel, which has no dropout")
+    return float(dropout_p)
 
 
 def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
@@ -234,8 +263,9 @@ def _full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
 # --------------------------------------------------------------------------------------
 # Eager path: compile the operator once per signature
 # --------------------------------------------------------------------------------------
-def _call_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks):
-    return flex_attention_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks=sinks)
+def _call_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks, dropout_seed):
+    return flex_attention_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks=sinks,
+                              dropout_seed=dropout_seed)
 
 
 def _eager_backend(device: torch.device) -> str:
@@ -269,16 +299,18 @@ def eager_mods():
         _eager_mods_depth -= 1
 
 
-def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks):
+def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks, dropout_seed):
     if _eager_mods_depth or os.environ.get(_EAGER_MODS_ENV, "0") == "1":
         # Plain autograd through the math: tensors the mods close over get their gradients.
-        return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), (), sinks)
+        return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), (), sinks,
+                          call_dropout(kernel_options, dropout_seed))
     backend = _eager_backend(query.device)
     timed = log.isEnabledFor(logging.INFO)
     if timed:
         graphs, started = _compat.compiled_graph_count(), time.perf_counter()
     with _compat.unlimited_recompiles():
-        result = _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks)
+        result = _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks,
+                                        dropout_seed)
     if timed and _compat.compiled_graph_count() != graphs:
         log.info("flexattn: compiled the operator for q %s k %s v %s %s on %s (%s backend) in %.2f s; "
                  "later calls with this signature reuse it", list(query.shape), list(key.shape),
@@ -299,7 +331,8 @@ def _from_torch_object(obj: Any) -> Any:
     copy), so code written for torch's FlexAttention passes its objects unchanged;
     anything else as it came."""
     if _is_torch_flex(obj, "AuxRequest"):
-        return AuxRequest(lse=bool(obj.lse), max_scores=bool(obj.max_scores))
+        return AuxRequest(lse=bool(obj.lse), max_scores=bool(obj.max_scores),
+                          probabilities=bool(getattr(obj, "probabilities", False)))
     if _is_torch_flex(obj, "BlockMask"):
         return BlockMask(obj.seq_lengths, obj.kv_num_blocks, obj.kv_indices, obj.full_kv_num_blocks,
                          obj.full_kv_indices, obj.q_num_blocks, obj.q_indices, obj.full_q_num_blocks,
@@ -329,6 +362,7 @@ def flex_attention(
     *,
     return_aux: AuxRequest | None = None,
     sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
 ):
     """Attention with a user-defined score modification and block-sparse mask.
 
@@ -349,6 +383,15 @@ def flex_attention(
             its rows' softmax as one more key whose value is zero (gpt-oss style), never
             masked and untouched by score_mod. Gradients flow to it. The lse includes
             the sink (a row with every key masked gets lse = sink); max_scores does not.
+        dropout_p: attention dropout, as SDPA's: each probability is dropped with this
+            probability and the kept ones are scaled by 1 / (1 - dropout_p), in the
+            fused forward and backward kernels (lse and max_scores are those before
+            dropout). Applied whenever it is > 0, also under torch.no_grad(), as SDPA
+            does. The mask comes from a Philox counter generator keyed by a seed drawn
+            from torch's generator on the inputs' device: ``torch.manual_seed`` repeats a
+            call bitwise, consecutive calls differ, and the backward regenerates the
+            forward's mask instead of storing it. ``AuxRequest(probabilities=True)``
+            shows it.
 
     Returns:
         out (B, H, L, Ev) in query's dtype; ``(out, lse)`` with return_lse; ``(out,
@@ -379,6 +422,7 @@ def flex_attention(
         )
     _check_mod("block_mask.mask_mod", block_mask.mask_mod, 4, "(b, h, q_idx, kv_idx)")
     _check_sinks(sinks, query)
+    dropout_p = _check_dropout_p(dropout_p, kernel_options or {})
     if scale is None:
         scale = 1.0 / math.sqrt(query.size(-1))
     elif not isinstance(scale, (int, float)):
@@ -397,17 +441,42 @@ def flex_attention(
         # A backward's own need for the lse is the autograd operator's to add.
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse)
     options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
-    options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION))
+    options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION,
+                                             **({"DROPOUT_P": dropout_p} if dropout_p else {})))
+    if return_aux is not None and return_aux.probabilities:
+        _check_probabilities_size(query, key)
+    # Two int64 draws, [0, 2**62): the Philox key and its stream (reference.dropout_keep).
+    seed = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=query.device) if dropout_p else None
 
     args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)
     if torch.compiler.is_compiling():
-        out, lse, max_scores = flex_attention_hop(*args, sinks=sinks)
+        out, lse, max_scores = flex_attention_hop(*args, sinks=sinks, dropout_seed=seed)
     else:
-        out, lse, max_scores = _run_eagerly(*args, sinks)
+        out, lse, max_scores = _run_eagerly(*args, sinks, seed)
 
     if return_lse:
         return out, lse
     if return_aux is not None:
-        return out, AuxOutput(lse if return_aux.lse else None, max_scores if return_aux.max_scores else None)
+        probabilities = None
+        if return_aux.probabilities:
+            probabilities = _applied_probabilities(query, key, score_mod, block_mask.as_tuple(), float(scale), sinks,
+                                                   call_dropout(options, seed))
+        return out, AuxOutput(lse if return_aux.lse else None, max_scores if return_aux.max_scores else None,
+                              probabilities)
     return out
+
+
+def _check_probabilities_size(query: Tensor, key: Tensor) -> None:
+    entries = query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2]
+    if entries > MAX_PROBABILITIES:
+        raise ValueError(f"flexattn: AuxRequest(probabilities=True) returns the (B, H, L, S) probabilities, a "
+                         f"debugging aid for small shapes: at most {MAX_PROBABILITIES} entries, got "
+                         f"{entries} for query {_shape(query)} and key {_shape(key)}")
+
+
+@torch.compiler.disable
+def _applied_probabilities(query, key, score_mod, block_mask_tuple, scale, sinks, dropout):
+    # Run as Python under torch.compile too (a graph break): a debugging aid, dense.
+    with torch.no_grad():
+        return attention_probabilities(query, key, score_mod, block_mask_tuple, scale, (), (), sinks, dropout)
 

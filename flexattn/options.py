@@ -29,7 +29,7 @@ PER_CALL = None
 class KernelOption:
     """One kernel_options key.
 
-    ``kind``: "bool", "int" or "tristate" (True / False / None = automatic);
+    ``kind``: "bool", "int", "float", "str" or "tristate" (True / False / None = automatic);
     ``default``: the value used when the key is absent (``PER_CALL``: chosen per call by
     the lowering, as ``default_doc`` says); ``readers``: the kernels that read it;
     ``origin``: "torch" for torch's FlexAttention keys (a drop-in call keeps them),
@@ -52,6 +52,8 @@ class KernelOption:
         """Raise TypeError when ``value`` is not of this key's kind."""
         if self.kind == "str":
             ok = isinstance(value, str)
+        elif self.kind == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         elif self.kind in ("bool", "tristate"):
             ok = isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)) \
                 or (self.kind == "tristate" and value is None)
@@ -59,7 +61,7 @@ class KernelOption:
             ok = (isinstance(value, int) and not isinstance(value, bool)) or value is None
         if not ok:
             expected = {"bool": "True or False", "tristate": "True, False or None", "int": "an int",
-                        "str": "a str"}[self.kind]
+                        "str": "a str", "float": "a float"}[self.kind]
             raise TypeError(f"flexattn: kernel_options {self.name} must be {expected}, got {value!r}")
         if self.choices and value not in self.choices:
             raise ValueError(f"flexattn: kernel_options {self.name} must be one of {self.choices}, got {value!r}")
@@ -159,6 +161,9 @@ OPTIONS: tuple[KernelOption, ...] = (
     KernelOption("DEFAULT_MASK", "bool", False, _ALL,
                  "flex_attention built the default mask itself (every block full, in order): the kernels walk "
                  "every KV position without reading the tables", public=False),
+    KernelOption("DROPOUT_P", "float", 0.0, ("forward", "backward"),
+                 "flex_attention's dropout_p: the kernels drop each probability with it and scale the kept ones "
+                 "(the seed is an operator argument)", public=False),
     KernelOption("CODE_VERSION", "str", "", (),
                  "a digest of flexattn's lowering and templates, so Inductor's FX-graph cache never reuses a graph "
                  "compiled by another version", public=False),
@@ -251,7 +256,7 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-_KIND_TYPES = {"bool": bool, "int": int, "tristate": Optional[bool], "str": str}
+_KIND_TYPES = {"bool": bool, "int": int, "tristate": Optional[bool], "str": str, "float": float}
 
 #: The kernel_options dict as a type (torch's ``FlexKernelOptions``): every public key,
 #: none required.

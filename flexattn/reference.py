@@ -10,7 +10,7 @@ entries it lets through exactly as the kernels read it (``block_mask_visibility`
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -166,6 +166,93 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# --------------------------------------------------------------------------------------
+# Dropout: the keep mask, a pure function of (seed, position), shared with the kernels
+# --------------------------------------------------------------------------------------
+#: Philox-4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
+PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+#: Rounds per draw: 7, FlashAttention-2's choice; Philox-4x32-7 already passes BigCrush
+#: (the paper's "crush-resistant" count; 10 is its safety margin).
+PHILOX_ROUNDS = 7
+#: Keep decisions per Philox draw: its four 32-bit words split into eight 16-bit halves,
+#: one per key of a group of eight consecutive keys (a draw per entry would cost the
+#: kernels more integer work than their matrix products).
+KEYS_PER_DRAW = 8
+_MASK32 = 0xFFFFFFFF
+
+
+class Dropout(NamedTuple):
+    """A call's dropout: the probability and its (2,) int64 seed tensor (key, stream);
+    or, for tests that replay a mask read off ``AuxRequest(probabilities=True)``, the bool
+    keep mask itself (B, H, L, S) in place of the seed."""
+
+    p: float
+    seed: Tensor | None
+    keep: Tensor | None = None
+
+    def keep_mask(self, B: int, H: int, L: int, S: int) -> Tensor:
+        return self.keep if self.keep is not None else dropout_keep(self.seed, self.p, B, H, L, S)
+
+
+def dropout_threshold(p: float) -> int:
+    """An entry is kept when its 16-bit random value is at least this: the keep
+    probability is 1 - p rounded to a multiple of 2**-16."""
+    return min(round(p * 65536), 65536)
+
+
+def dropout_scale(p: float) -> float:
+    """The factor on kept probabilities, 1 / (1 - p) as in SDPA and FlashAttention-2."""
+    return 1.0 / (1.0 - p)
+
+
+def _umul32(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit words of a * b for uint32 values held in int64, without the
+    64-bit product (it would overflow int64): b is split into 16-bit halves."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    with_hi = a * b_hi
+    with_lo = a * b_lo
+    high = (with_hi + (with_lo >> 16)) >> 16
+    low = (((with_hi & 0xFFFF) << 16) + with_lo) & _MASK32
+    return high, low
+
+
+def philox_4x32(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k1: Tensor,
+                rounds: int = PHILOX_ROUNDS) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox-4x32 of the counter (c0, c1, c2, c3) under the key (k0, k1): uint32 values
+    held in int64 tensors (broadcastable), the four output words likewise. The kernels'
+    ``philox_4x32`` (common.py.jinja) computes the same words."""
+    for _ in range(rounds):
+        hi_b, lo_b = _umul32(c2, PHILOX_ROUND_B)
+        hi_a, lo_a = _umul32(c0, PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + PHILOX_KEY_A) & _MASK32
+        k1 = (k1 + PHILOX_KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_keep(seed: Tensor, p: float, B: int, H: int, L: int, S: int) -> Tensor:
+    """The keep mask (B, H, L, S) of a call with dropout ``p`` and ``seed``, exactly as the
+    kernels draw it: entry (b, h, i, j) takes half j % 8 of the Philox-4x32 draw with
+    counter (j // 8, i, b * H + h, stream) and key seed (its low and high words), the
+    halves in the order low(w0), high(w0), low(w1), ..., high(w3); it is kept when that
+    16-bit value is at least ``dropout_threshold(p)``. Positions are the kernel's (for a
+    paged cache, positions in the page pool)."""
+    seed = seed.to(torch.int64)
+    key, stream = seed[0], seed[1]
+    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
+    groups = -(-S // KEYS_PER_DRAW)
+    dev = seed.device
+    c0 = torch.arange(groups, dtype=torch.int64, device=dev).view(1, 1, groups)
+    c1 = torch.arange(L, dtype=torch.int64, device=dev).view(1, L, 1)
+    c2 = torch.arange(B * H, dtype=torch.int64, device=dev).view(B * H, 1, 1)
+    c3 = stream & _MASK32
+    words = philox_4x32(c0, c1, c2, c3, k0, k1)
+    halves = [w for word in words for w in (word & 0xFFFF, word >> 16)]
+    values = torch.stack(halves, dim=-1).reshape(B * H, L, groups * KEYS_PER_DRAW)[..., :S]
+    return (values >= dropout_threshold(p)).view(B, H, L, S)
+
+
 def dense_math(
     query: Tensor,
     key: Tensor,
@@ -176,6 +263,7 @@ def dense_math(
     score_mod_buffers: Sequence,
     mask_mod_buffers: Sequence,
     sinks: Tensor | None = None,
+    dropout: Dropout | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention computed the plain way, differentiable by autograd.
 
@@ -187,18 +275,43 @@ def dense_math(
     ``sinks``: per-head logits, shape (Hq,) or (B, Hq), each joining its rows' softmax
     as one more key whose value is zero (never masked, untouched by score_mod). The
     lse includes it; max_scores is the max over the real keys.
+
+    ``dropout``: the probabilities are multiplied by ``dropout_keep``'s mask and
+    ``dropout_scale(p)`` before the product with V; lse and max_scores are those of the
+    probabilities before dropout.
     """
+    B, Hq = query.shape[:2]
+    v = _expand_kv(value.to(query.dtype), B, Hq)  # float8 keys and values are widened, as the kernels do
+    scores, allowed = _masked_scores(query, key, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers)
+    return softmax_times_values(scores, allowed.any(dim=-1), v, sinks, dropout)
+
+
+def _masked_scores(query, key, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers):
+    """(scores, allowed): the modified scores (B, Hq, L, S) in the softmax's dtype, -inf
+    where the block mask hides them, and the bool visibility."""
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
     work = stats_dtype(query.dtype)
-    k = _expand_kv(key.to(query.dtype), B, Hq)  # float8 keys and values are widened, as the kernels do
-    v = _expand_kv(value.to(query.dtype), B, Hq)
+    k = _expand_kv(key.to(query.dtype), B, Hq)
     scores = (query @ k.transpose(-2, -1)).to(work) * scale
     scores = apply_score_mod(score_mod, scores, score_mod_buffers).to(work)
     allowed = block_mask_visibility(block_mask, B, Hq, L, S, query.device, mask_mod_buffers)
-    scores = scores.masked_fill(~allowed, -math.inf)
+    return scores.masked_fill(~allowed, -math.inf), allowed
 
-    return softmax_times_values(scores, allowed.any(dim=-1), v, sinks)
+
+def attention_probabilities(query, key, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers,
+                            sinks: Tensor | None = None, dropout: Dropout | None = None) -> Tensor:
+    """The probabilities (B, Hq, L, S) as ``dense_math`` applies them (in the softmax's
+    dtype, 0 where masked and on rows without a visible key), with dropout the kept ones
+    times ``dropout_scale`` and the dropped ones negated (sign bit set, also on zeros):
+    ``AuxRequest(probabilities=True)``."""
+    scores, allowed = _masked_scores(query, key, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers)
+    probs, _, _, live = _softmax(scores, allowed.any(dim=-1), sinks)
+    probs = torch.where(live[..., None], probs, torch.zeros_like(probs))
+    if dropout is None:
+        return probs
+    scaled = probs * dropout_scale(dropout.p)
+    return torch.where(dropout.keep_mask(*probs.shape), scaled, -scaled)
 
 
 def sink_rows(sinks: Tensor, Hq: int, dtype: torch.dtype) -> Tensor:
@@ -206,12 +319,29 @@ def sink_rows(sinks: Tensor, Hq: int, dtype: torch.dtype) -> Tensor:
     return sinks.to(dtype).reshape(-1 if sinks.dim() == 2 else 1, Hq, 1)
 
 
-def softmax_times_values(scores: Tensor, has_keys: Tensor, v: Tensor,
-                         sinks: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def softmax_times_values(scores: Tensor, has_keys: Tensor, v: Tensor, sinks: Tensor | None,
+                         dropout: Dropout | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, max_scores) from masked scores (B, Hq, L, S) (-inf where masked) in
-    the softmax's dtype: the probabilities rounded to ``v``'s dtype before the product,
-    rows without a key (``has_keys`` False, or every score -inf) giving out 0 and lse
-    -inf, unless a sink (``dense_math``) gives them lse = sink."""
+    the softmax's dtype: the probabilities (``applied_probabilities``) rounded to ``v``'s
+    dtype before the product, rows without a key (``has_keys`` False, or every score
+    -inf) giving out 0 and lse -inf, unless a sink (``dense_math``) gives them lse = sink."""
+    probs, lse, max_scores, live = _softmax(scores, has_keys, sinks)
+    out = applied_probabilities(probs, dropout).to(v.dtype) @ v
+    out = torch.where(live[..., None], out, torch.zeros_like(out))
+    return out, lse, max_scores
+
+
+def applied_probabilities(probs: Tensor, dropout: Dropout | None) -> Tensor:
+    """The probabilities as they multiply V: with dropout, the kept ones times
+    ``dropout_scale`` and the dropped ones 0."""
+    if dropout is None:
+        return probs
+    keep = dropout.keep_mask(*probs.shape)
+    return torch.where(keep, probs * dropout_scale(dropout.p), torch.zeros_like(probs))
+
+
+def _softmax(scores: Tensor, has_keys: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(probs, lse, max_scores, live) of masked scores, a sink joining each row."""
     B, Hq, L, S = scores.shape
     row_max = scores.amax(dim=-1)
     live = has_keys & (row_max > -math.inf)
@@ -227,6 +357,4 @@ def softmax_times_values(scores: Tensor, has_keys: Tensor, v: Tensor,
     safe_denom = torch.where(live, denom, torch.ones_like(denom))
     lse = torch.where(live, torch.log(safe_denom) + safe_max, torch.full_like(denom, -math.inf))
     probs = (p / safe_denom[..., None])[..., :S]
-    out = probs.to(v.dtype) @ v
-    out = torch.where(live[..., None], out, torch.zeros_like(out))
-    return out, lse, max_scores
+    return probs, lse, max_scores, live

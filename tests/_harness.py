@@ -42,6 +42,17 @@ ATOL_FLOOR = {
     torch.bfloat16: 8e-3,
 }
 
+#: Whether the suite runs on a GPU, and the dtypes the kernel tests take there (bfloat16
+#: only on the GPU: the CPU interpreter's numpy has no bfloat16 arithmetic).
+ON_CUDA = DEVICE == "cuda"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
+
+
+def scaled(cpu: int, cuda: int) -> int:
+    """A size for the CPU interpreter (small: it runs the kernels in numpy) or the GPU."""
+    return cuda if ON_CUDA else cpu
+
+
 # Gradients of captured tensors are sums over many (q, kv) pairs. The kernel adds the
 # pairs' float32 contributions one atomic add at a time, in no fixed order; the reference
 # sums them as a tree (torch's reduction). A sequential float32 sum of n terms can be

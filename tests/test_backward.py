@@ -36,8 +36,7 @@ from conftest import DEVICE
 flexattn.lowering.register()
 _compat.use_interpreter_libdevice()
 
-ON_CUDA = DEVICE == "cuda"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
+ON_CUDA, DTYPES, scaled = harness.ON_CUDA, harness.DTYPES, harness.scaled
 BACKWARD_MARK = "def dkv_visit_q_blocks("  # our backward template's inner loop
 
 @pytest.fixture(autouse=True)
@@ -49,9 +48,6 @@ def _fresh_compile_with_our_template():
     with torch._inductor.config.patch(**patches):
         yield
 
-
-def scaled(cpu: int, cuda: int) -> int:
-    return cuda if ON_CUDA else cpu
 
 
 # --------------------------------------------------------------------------------------

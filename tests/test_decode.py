@@ -50,8 +50,7 @@ from conftest import DEVICE
 flexattn.lowering.register()
 _compat.use_interpreter_libdevice()
 
-ON_CUDA = DEVICE == "cuda"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
+ON_CUDA, DTYPES, scaled = harness.ON_CUDA, harness.DTYPES, harness.scaled
 SLOW = os.environ.get("FLEXATTN_SLOW") == "1"
 DECODE_MARK = "def attend_kv_tile("   # the decode kernel's step
 MAIN_MARK = "def attend_kv_blocks("    # the main forward kernel's inner loop
@@ -65,9 +64,6 @@ pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 #: The two ways of merging the shares (see lowering/decode.py).
 MERGES = {"fused_merge": {"FUSED_MERGE": True}, "merge_pass": {"FUSED_MERGE": False}}
 
-
-def scaled(cpu, cuda):
-    return cuda if ON_CUDA else cpu
 
 
 # --------------------------------------------------------------------------------------

@@ -33,16 +33,12 @@ flexattn.lowering.register()
 
 pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
-ON_CUDA = DEVICE == "cuda"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
+ON_CUDA, DTYPES, scaled = harness.ON_CUDA, harness.DTYPES, harness.scaled
 SLOW = os.environ.get("FLEXATTN_SLOW") == "1"
 
 DEFAULT_OPTIONS = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, PRESCALE_QK=False,
                        ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False)
 
-
-def scaled(cpu: int, cuda: int) -> int:
-    return cuda if ON_CUDA else cpu
 
 
 # --------------------------------------------------------------------------------------

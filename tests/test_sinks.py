@@ -23,12 +23,8 @@ from conftest import DEVICE
 
 pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 
-ON_CUDA = DEVICE == "cuda"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
+ON_CUDA, DTYPES, scaled = harness.ON_CUDA, harness.DTYPES, harness.scaled
 
-
-def scaled(cpu: int, cuda: int) -> int:
-    return cuda if ON_CUDA else cpu
 
 
 def _identity(score, b, h, q_idx, kv_idx):

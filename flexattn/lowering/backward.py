@@ -115,9 +115,9 @@ def compute_delta(out, grad_out, grad_logsumexp):
 
 
 def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
-                   block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers):
+                   block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers, dropout_seed=None):
     """grad_query, grad_key, grad_value and the captured tensors' gradients, from the
-    backward template."""
+    backward template (``dropout_seed``: the forward's, whose keep mask it regenerates)."""
     started = time.perf_counter()
     kernel_options = dict(kernel_options or {})
     sizevars = V.graph.sizevars
@@ -179,6 +179,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         REDUCED_GRAD_SUBGRAPH=REDUCED_GRAD_SUBGRAPH,
         IS_DIVISIBLE_M=common.divisible(L, call.sparse_q),
         IS_DIVISIBLE_N=common.divisible(S, call.sparse_kv),
+        **common.dropout_specialisations(kernel_options),
     )
 
     dk_layout = ir.FixedLayout(device, dtype, [B, Hkv, S, E], ir.FlexibleLayout.contiguous_strides([B, Hkv, S, E]))
@@ -201,7 +202,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
               **{name: getattr(tables, name) for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices",
                                                           "full_kv_num_blocks", "full_kv_indices",
                                                           "full_q_num_blocks", "full_q_indices")},
-              "workspace": grad_plan.workspace}
+              "workspace": grad_plan.workspace, "seed": common.seed_for_kernel(dropout_seed, device)}
     input_nodes = list(inputs.values())
     scatter_grads = grad_plan.scatter_grads
     mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.reduced else [])

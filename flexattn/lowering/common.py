@@ -32,7 +32,7 @@ from torch.utils._sympy.functions import FloorDiv, Mod
 from .. import _compat
 from .. import options as _options
 from .._mask_tuple import BlockMaskView
-from ..reference import stats_dtype
+from ..reference import dropout_scale, dropout_threshold, stats_dtype
 from .configs.tma import tma_by_default
 from .subgraph import (
     MASK_MOD_ARGS,
@@ -167,6 +167,19 @@ def sinks_for_kernel(sinks, query):
     dtype = stats_dtype(query.get_dtype())
     node = sinks if sinks.get_dtype() == dtype else to_dtype(sinks, dtype)
     return broadcast_to(node, [B, Hq])
+
+
+def seed_for_kernel(dropout_seed, device):
+    """The ``SEED`` argument of a forward or backward template: the call's (2,) int64
+    dropout seed, or a filler when it has none (HAS_DROPOUT False)."""
+    return _signature_filler(device) if dropout_seed is None else dropout_seed
+
+
+def dropout_specialisations(kernel_options) -> dict[str, Any]:
+    """HAS_DROPOUT, DROPOUT_THRESHOLD and DROPOUT_SCALE from the call's dropout_p (the
+    internal DROPOUT_P option; the keep mask as ``reference.dropout_keep`` draws it)."""
+    p = float(_options.read_internal(kernel_options, "DROPOUT_P"))
+    return {"HAS_DROPOUT": p > 0, "DROPOUT_THRESHOLD": dropout_threshold(p), "DROPOUT_SCALE": dropout_scale(p)}
 
 
 def output_layout(query, v_head_dim) -> ir.FixedLayout:

@@ -28,9 +28,10 @@ from torch._inductor.lowering import fallback_handler, lowerings
 from torch._inductor.virtualized import V
 
 from .. import _compat
+from .. import options as _options
 from .._hop import buffers_with_grad
 from .._mask_tuple import BlockMaskView
-from ..reference import dense_math, kv_block_columns, listed_grid, softmax_times_values
+from ..reference import Dropout, dense_math, kv_block_columns, listed_grid, softmax_times_values
 from .common import as_tensor_boxes, realize_fixed
 
 #: Ops besides pointwise-tagged ones that act elementwise under broadcasting.
@@ -85,7 +86,7 @@ def _block_grid(num: torch.Tensor, idx: torch.Tensor, L: int, S: int, q_block: i
 
 
 def dense_attention(query, key, value, score_mod, block_mask, scale, score_mod_buffers, mask_mod_buffers,
-                    sinks=None):
+                    sinks=None, dropout=None):
     """``dense_math`` with the mods applied by broadcasting (same results)."""
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
@@ -103,7 +104,7 @@ def dense_attention(query, key, value, score_mod, block_mask, scale, score_mod_b
         allowed = allowed | _block_grid(bm.full_kv_num_blocks, bm.full_kv_indices, L, S, q_block, kv_block)
     allowed = allowed.expand(B, Hq, L, S)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return softmax_times_values(scores, allowed.any(dim=-1), v, sinks)
+    return softmax_times_values(scores, allowed.any(dim=-1), v, sinks, dropout)
 
 
 def _static(expr) -> int:
@@ -208,29 +209,44 @@ def _lower_graph(gm: torch.fx.GraphModule, inputs: Sequence) -> list:
     raise AssertionError("graph without output")
 
 
+def _optional_inputs(sinks, dropout_seed) -> list:
+    """The sinks and the dropout seed among a dense graph's inputs (those present)."""
+    return [t for t in (sinks, dropout_seed) if t is not None]
+
+
+def _split_optional(rest, sinks, dropout_seed, kernel_options):
+    """(sink, dropout, rest) inside a traced dense graph: the inputs ``_optional_inputs``
+    added, as ``dense_math`` takes them, and the inputs after them."""
+    sink, rest = (rest[0], rest[1:]) if sinks is not None else (None, rest)
+    if dropout_seed is None:
+        return sink, None, rest
+    return sink, Dropout(float(_options.read_internal(kernel_options, "DROPOUT_P")), rest[0]), rest[1:]
+
+
 def lower_dense(query, key, value, score_mod, block_mask, scale, kernel_options,
-                score_mod_buffers, mask_mod_buffers, sinks=None):
+                score_mod_buffers, mask_mod_buffers, sinks=None, dropout_seed=None):
     """out, lse, max_scores of the call, computed densely (see the module docstring)."""
     graph_mask = _GraphBlockMask(block_mask)
     score_graph = score_mod.graph_module
     tables = graph_mask.inputs()
     n_tables, n_score = len(tables), len(score_mod_buffers)
-    graph_inputs = [query, key, value, *([sinks] if sinks is not None else []), *tables, *score_mod_buffers,
+    graph_inputs = [query, key, value, *_optional_inputs(sinks, dropout_seed), *tables, *score_mod_buffers,
                     *mask_mod_buffers]
     math = _attention_math(score_graph, graph_mask.view.mask_mod, query.get_dtype())
 
     def dense(q, k, v, *rest):
-        sink, rest = (rest[0], rest[1:]) if sinks is not None else (None, rest)
+        sink, dropout, rest = _split_optional(rest, sinks, dropout_seed, kernel_options)
         bm = graph_mask.with_inputs(rest[:n_tables])
         buffers = rest[n_tables:]
-        return math(q, k, v, score_graph, bm, scale, buffers[:n_score], buffers[n_score:], sink)
+        return math(q, k, v, score_graph, bm, scale, buffers[:n_score], buffers[n_score:], sink, dropout)
 
     out, lse, max_scores = _lower_graph(_traced(dense, graph_inputs), as_tensor_boxes(graph_inputs))
     return out, lse, max_scores
 
 
 def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
-                         joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks=None):
+                         joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks=None,
+                         kernel_options=None, dropout_seed=None):
     """grad_q, grad_k, grad_v, grad_buffers computed densely: the vjp of the dense
     attention (see the module docstring; the sinks' gradient is the autograd operator's)."""
     graph_mask = _GraphBlockMask(block_mask)
@@ -239,7 +255,7 @@ def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsu
     n_tables, n_score = len(tables), len(score_mod_buffers)
     has_grad_lse = grad_logsumexp is not None
     graph_inputs = [query, key, value, grad_out, *([grad_logsumexp] if has_grad_lse else []),
-                    *([sinks] if sinks is not None else []), *tables, *score_mod_buffers, *mask_mod_buffers]
+                    *_optional_inputs(sinks, dropout_seed), *tables, *score_mod_buffers, *mask_mod_buffers]
     graph_inputs = [realize_fixed(x) for x in graph_inputs]
     wants = buffers_with_grad(joint_graph.graph_module, n_score)
     grad_positions = [i for i, w in enumerate(wants) if w]
@@ -247,7 +263,7 @@ def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsu
 
     def dense_backward(q, k, v, grad_out, *rest):
         grad_lse, rest = (rest[0], rest[1:]) if has_grad_lse else (None, rest)
-        sink, rest = (rest[0], rest[1:]) if sinks is not None else (None, rest)
+        sink, dropout, rest = _split_optional(rest, sinks, dropout_seed, kernel_options)
         bm = graph_mask.with_inputs(rest[:n_tables])
         buffers = list(rest[n_tables:])
         score_buffers = buffers[:n_score]
@@ -256,7 +272,7 @@ def lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsu
             full = list(score_buffers)
             for i, b in zip(grad_positions, differentiable_buffers):
                 full[i] = b
-            o, lse, _ = math(q, k, v, score_graph, bm, scale, full, buffers[n_score:], sink)
+            o, lse, _ = math(q, k, v, score_graph, bm, scale, full, buffers[n_score:], sink, dropout)
             return o, lse
 
         # torch.func.vjp, not torch.autograd: it composes with the functionalize

@@ -36,20 +36,22 @@ def use_triton_template(device: torch.device) -> bool:
 
 
 def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
-                         score_mod_buffers=(), mask_mod_buffers=(), sinks=None):
-    """The lowering registered for ``flexattn._hop.flex_attention_hop``."""
+                         score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
+    """The lowering registered for ``flexattn._hop.flex_attention_hop``. Dropout is the
+    forward kernel's alone: such a call never takes the decode kernel."""
     inline_scalar_items(score_mod, BlockMaskView(*block_mask).mask_mod)
     check_positive_lengths(query, key)
     args = (query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers,
             sinks)
     device = query.get_device()
     if use_triton_template(device):
-        if wants_decode_kernel(hint(query.get_size()[2]), hint(key.get_size()[2]), kernel_options or {}):
+        if dropout_seed is None and wants_decode_kernel(hint(query.get_size()[2]), hint(key.get_size()[2]),
+                                                        kernel_options or {}):
             return lower_decode(*args)
-        return lower_forward(*args)
+        return lower_forward(*args, dropout_seed)
     if device.type == "cpu":
         started = time.perf_counter()
-        result = lower_dense(*args)
+        result = lower_dense(*args, dropout_seed)
         log.info("flexattn forward on CPU with cpu_backend=%r: dense decomposition, q %s k %s v %s, lowered in "
                  "%.2f s", _compat.inductor_cpu_backend(), list(query.get_size()), list(key.get_size()),
                  list(value.get_size()), time.perf_counter() - started)
@@ -59,7 +61,7 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
 
 def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
                                   joint_graph, block_mask, scale, kernel_options, score_mod_buffers=(),
-                                  mask_mod_buffers=(), sinks=None):
+                                  mask_mod_buffers=(), sinks=None, dropout_seed=None):
     """The lowering registered for ``flexattn._hop.flex_attention_backward_hop``; the
     kernel recomputes probabilities from the forward's lse, which already holds the
     sinks, so only the dense path reads them."""
@@ -68,11 +70,12 @@ def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
     device = query.get_device()
     if use_triton_template(device):
         return lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
-                              block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers)
+                              block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers, dropout_seed)
     if device.type == "cpu":
         started = time.perf_counter()
         result = lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
-                                      joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks)
+                                      joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks,
+                                      kernel_options, dropout_seed)
         log.info("flexattn backward on CPU with cpu_backend=%r: dense decomposition, lowered in %.2f s",
                  _compat.inductor_cpu_backend(), time.perf_counter() - started)
         return result

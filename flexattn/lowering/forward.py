@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
@@ -47,7 +46,7 @@ forward_template = TritonTemplate(
 
 
 def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_options,
-                  score_mod_buffers, mask_mod_buffers, sinks=None):
+                  score_mod_buffers, mask_mod_buffers, sinks=None, dropout_seed=None):
     """out, lse, max_scores of a forward call, from the forward template."""
     started = time.perf_counter()
     kernel_options = dict(kernel_options or {})
@@ -66,6 +65,7 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
     )
 
     spec["HAS_SINKS"] = sinks is not None
+    spec.update(common.dropout_specialisations(kernel_options))
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     # The kernel writes lse and row_max in place: the template's extra outputs.
     lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
@@ -88,7 +88,8 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
     inputs = {"query": query, "key": key, "value": value, "lse": lse, "row_max": row_max,
               "kv_num_blocks": tables.kv_num_blocks, "kv_indices": tables.kv_indices,
               "full_kv_num_blocks": tables.full_kv_num_blocks, "full_kv_indices": tables.full_kv_indices,
-              "sinks": common.sinks_for_kernel(sinks, query)}
+              "sinks": common.sinks_for_kernel(sinks, query),
+              "seed": common.seed_for_kernel(dropout_seed, device)}
     input_nodes = list(inputs.values())
     choices, config_of_choice = common.template_choices(
         forward_template, usable, "forward",

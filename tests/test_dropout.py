@@ -1,0 +1,235 @@
+"""Attention dropout inside the fused kernels.
+
+The keep mask is a pure function of the call's seed and each entry's position
+(``reference.dropout_keep``, Philox-4x32): checked against the generator's published
+known answers and for its keep rate. The kernels (forward, backward, through
+torch.compile and the eager API; the CPU dense path) are checked against the dense
+reference given the same mask, read off ``AuxRequest(probabilities=True)``, with the
+three-way bound of tests/_harness.py for out, lse and every gradient (q, k, v, a
+captured bias, the sinks). Seeds: ``torch.manual_seed`` repeats a call bitwise,
+consecutive calls differ, a compiled training loop compiles once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import flexattn
+from flexattn import AuxRequest, create_block_mask, mods
+from flexattn.reference import Dropout, dense_math, dropout_keep, dropout_threshold, philox_4x32
+
+import _harness as harness
+from conftest import DEVICE
+
+pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+
+ON_CUDA, DTYPES, scaled = harness.ON_CUDA, harness.DTYPES, harness.scaled
+
+
+
+def _identity(score, b, h, q_idx, kv_idx):
+    return score
+
+
+def _kept(probabilities: torch.Tensor) -> torch.Tensor:
+    return ~torch.signbit(probabilities)
+
+
+def test_philox_known_answers():
+    """Random123's known-answer vectors for Philox-4x32 at 10 rounds (the generator's
+    definition; the kernels run the same rounds, 7 of them)."""
+    zero = torch.tensor(0)
+    ones = torch.tensor(0xFFFFFFFF)
+    assert [int(w) for w in philox_4x32(zero, zero, zero, zero, zero, zero, rounds=10)] == \
+        [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert [int(w) for w in philox_4x32(ones, ones, ones, ones, ones, ones, rounds=10)] == \
+        [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_within_four_sigma(p):
+    """Over 2**22 entries the kept share is within 4 sigma of 1 - p, rows and columns
+    alike (no stripes: keys in one Philox draw are independent), and seeds differ."""
+    B, H, L, S = 2, 4, 512, 1024
+    seed = torch.tensor([12345, 678], dtype=torch.int64)
+    keep = dropout_keep(seed, p, B, H, L, S)
+    n = keep.numel()
+    rate = 1.0 - dropout_threshold(p) / 65536
+    sigma = math.sqrt(rate * (1 - rate) / n)
+    assert abs(keep.double().mean().item() - rate) <= 4 * sigma
+    assert abs(rate - (1 - p)) <= 2 ** -17
+    by_lane = keep.view(-1, 8).double().mean(0)  # the eight keys of one draw
+    assert torch.all((by_lane - rate).abs() <= 4 * math.sqrt(rate * (1 - rate) / (n // 8)))
+    other = dropout_keep(torch.tensor([12345, 679], dtype=torch.int64), p, B, H, L, S)
+    assert (keep != other).double().mean().item() > 0.5 * 2 * rate * (1 - rate)
+
+
+def _bias_mod(bias):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, kv_idx]
+
+    return score_mod
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager_api"])
+def test_forward_and_backward_match_the_reference_given_the_mask(dtype, compiled):
+    """GQA, a sliding-window causal mask (full and partial blocks), a learnable bias
+    captured by score_mod, learnable sinks, odd lengths, dropout 0.3: out, lse and the
+    gradients of q, k, v, the bias and the sinks against the reference that applies the
+    mask the call reports."""
+    B, Hq, Hkv, E = 2, 4, 2, 16
+    L, S = scaled(37, 300), scaled(45, 333)
+    p = 0.3
+    gen = harness.generator(11)
+    q, k, v = harness.make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, dtype=dtype, requires_grad=True)
+    bias = harness.randn(gen, Hq, S, requires_grad=True)
+    sinks = harness.randn(gen, Hq, requires_grad=True)
+    grad_out, grad_lse = harness.make_output_grads(gen, q, v, with_lse=True)
+    window = mods.sliding_window(scaled(20, 100))
+    bm = create_block_mask(window, B, None, L, S, device=DEVICE, BLOCK_SIZE=scaled(16, 64))
+    request = AuxRequest(lse=True, probabilities=True)
+    seen = {}
+
+    def attend(q, k, v, bias, sinks):
+        out, aux = flexattn.flex_attention(q, k, v, score_mod=_bias_mod(bias), block_mask=bm, enable_gqa=True,
+                                           sinks=sinks, dropout_p=p, return_aux=request)
+        seen["probabilities"] = aux.probabilities
+        return out, aux.lse
+
+    fn = torch.compile(attend, backend="inductor") if compiled else attend
+    test = harness.attention_grads(fn, harness.copies((q, k, v, bias, sinks)), grad_out, grad_lse)
+    probabilities = seen["probabilities"]
+    assert probabilities.shape == (B, Hq, L, S)
+    keep = _kept(probabilities)
+    dropout = Dropout(p, None, keep)
+
+    def reference(q, k, v, bias, sinks, grad_out, grad_lse):
+        return harness.attention_grads(
+            lambda q, k, v, b, s: dense_math(q, k, v, _bias_mod(b), bm.as_tuple(), E ** -0.5, (), (), s, dropout)[:2],
+            (q, k, v, bias, sinks), grad_out, grad_lse)
+
+    golden, ref = harness.reference_runs(reference, (q, k, v, bias, sinks, grad_out, grad_lse))
+    harness.check_attention(test, ref, golden, dtype, max_scores=False)
+    harness.check_gradients(test[2], ref[2], golden[2], dtype)
+    # The reported probabilities are the ones applied: their positive part times V is the output.
+    torch.testing.assert_close(
+        (probabilities.clamp(min=0).to(torch.float64) @ harness.copies(v, torch.float64).repeat_interleave(2, 1))
+        .to(dtype), test[0].detach(), atol=harness.ATOL_FLOOR[dtype] * 10 + 2e-2, rtol=2e-2)
+    visible = flexattn.create_mask(window, B, Hq, L, S, device=DEVICE)
+    rate = keep[visible].double().mean().item()
+    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / visible.sum().item())
+
+
+def test_seeds_repeat_and_calls_differ():
+    """torch.manual_seed repeats a call's output and gradients bitwise, eager API and
+    compiled; two consecutive calls draw different masks."""
+    gen = harness.generator(12)
+    q, k, v = harness.make_inputs(gen, B=1, Hq=2, L=32, S=48, E=16, dtype=torch.float32, requires_grad=True)
+
+    def attend(q, k, v):
+        return flexattn.flex_attention(q, k, v, block_mask=None, dropout_p=0.2)
+
+    for fn in (attend, torch.compile(attend, backend="inductor", fullgraph=True)):
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(7)
+            first = fn(q, k, v)
+            grads = torch.autograd.grad(first.sum(), (q, k, v))
+            second = fn(q, k, v)
+            runs.append((first.detach(), *grads, second.detach()))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+        assert not torch.equal(runs[0][0], runs[0][-1])
+
+
+def test_compiled_training_loop_compiles_once():
+    """A compiled training step with dropout, several steps: one compile, no recompile
+    per call (the seed is an input of the graph, not a constant), the loss changes."""
+    counter = CompileCounterWithBackend("inductor")
+    gen = harness.generator(13)
+    B, H, L, E = 2, 2, 32, 16
+    proj = torch.nn.Linear(E, 3 * E).to(DEVICE)
+    opt = torch.optim.SGD(proj.parameters(), lr=0.1)
+    bm = create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=16)
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(x):
+        q, k, v = proj(x).chunk(3, dim=-1)
+        out = flexattn.flex_attention(q, k, v, block_mask=bm, dropout_p=0.1)
+        return out.square().mean()
+
+    losses = []
+    for _ in range(4):
+        x = harness.randn(gen, B, H, L, E)
+        loss = step(x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert counter.frame_count == 1
+    assert all(math.isfinite(x) for x in losses)
+
+
+def test_short_queries_use_the_forward_kernel():
+    """A decode-shaped call (L=1 against many keys) with dropout runs the forward kernel
+    (the decode kernel has none), also under torch.no_grad(), as SDPA applies dropout
+    whenever dropout_p > 0."""
+    gen = harness.generator(14)
+    S = scaled(96, 2048)
+    q, k, v = harness.make_inputs(gen, B=2, Hq=4, Hkv=1, L=1, S=S, E=16, dtype=torch.float16)
+    with torch.no_grad():
+        out, aux = flexattn.flex_attention(q, k, v, enable_gqa=True, dropout_p=0.5,
+                                           return_aux=AuxRequest(lse=True, probabilities=True))
+    dropout = Dropout(0.5, None, _kept(aux.probabilities))
+    golden, ref = harness.reference_runs(
+        lambda q, k, v: dense_math(q, k, v, _identity, flexattn.api._full_block_mask(q, k).as_tuple(), 0.25, (), (),
+                                   None, dropout), (q, k, v))
+    harness.check_attention((out, aux.lse), ref, golden, torch.float16, max_scores=False)
+    assert 0.3 < _kept(aux.probabilities).double().mean().item() < 0.7
+
+
+def test_cpu_dense_path():
+    """Inductor's C++ backend (the dense decomposition) draws the same mask as the
+    kernels: compiled and eager calls match the reference given the reported mask."""
+    gen = harness.generator(15)
+    q, k, v = harness.make_inputs(gen, B=1, Hq=2, L=20, S=28, E=8, dtype=torch.float32, device="cpu",
+                                  requires_grad=True)
+    bm = create_block_mask(mods.causal_mask, None, None, 20, 28, device="cpu", BLOCK_SIZE=8)
+    seen = {}
+
+    def attend(q, k, v):
+        out, aux = flexattn.flex_attention(q, k, v, block_mask=bm, dropout_p=0.4,
+                                           return_aux=AuxRequest(lse=True, probabilities=True))
+        seen["keep"] = _kept(aux.probabilities)
+        return out, aux.lse
+
+    grad_out = torch.ones(1, 2, 20, 8)
+    with torch._inductor.config.patch(cpu_backend="cpp"):
+        for fn in (torch.compile(attend, backend="inductor"), attend):
+            test = harness.attention_grads(fn, harness.copies((q, k, v)), grad_out)
+            dropout = Dropout(0.4, None, seen["keep"])
+            golden = harness.attention_grads(
+                lambda q, k, v: dense_math(q, k, v, _identity, bm.as_tuple(), 8 ** -0.5, (), (), None, dropout)[:2],
+                harness.copies((q, k, v), torch.float64), grad_out.double())
+            for t, g in zip((test[0], test[1], *test[2]), (golden[0], golden[1], *golden[2])):
+                torch.testing.assert_close(t.double(), g, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_dropout_is_refused():
+    q, k, v = harness.make_inputs(0, B=1, Hq=2, L=8, S=8, E=8, dtype=torch.float32)
+    for bad in (1.0, -0.1, 2):
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+            flexattn.flex_attention(q, k, v, dropout_p=bad)
+    for bad in ("0.1", True, None):
+        with pytest.raises(TypeError, match=r"dropout_p must be a float in \[0, 1\)"):
+            flexattn.flex_attention(q, k, v, dropout_p=bad)
+    with pytest.raises(ValueError, match="no dropout"):
+        flexattn.flex_attention(q, k, v, dropout_p=0.1, kernel_options={"FORCE_DECODE": True})
+    big = torch.zeros(8, 16, 1024, 8, device=DEVICE)  # 2**27 probabilities
+    with pytest.raises(ValueError, match=r"probabilities=True\) returns .* at most 67108864 entries"):
+        flexattn.flex_attention(big, big, big, return_aux=AuxRequest(probabilities=True))
