@@ -1,6 +1,6 @@
 """Benchmark: what attention sinks cost, and against the workaround users have today.
 
-For each case it times, in rounds taken in turn (a GPU's clock drifts between rounds):
+For each case it times, in rounds taken in turn (bench/_feature_bench.py):
 
 * ``flexattn``        compiled ``flexattn.flex_attention`` without sinks;
 * ``flexattn_sinks``  the same call with ``sinks=`` (folded into the kernels);
@@ -18,43 +18,15 @@ flexattn_sinks / torch_renorm, and writes ``sinks-<gpu>-<stamp>.json`` to bench/
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import datetime
-import json
-import shlex
-import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch.nn.attention import flex_attention as torch_flex
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from _feature_bench import Case, Feature, main
 
-import flexattn  # noqa: E402
-from flexattn import mods  # noqa: E402
-
-RESULTS_DIR = REPO / "bench" / "results"
-IMPLS = ("flexattn", "flexattn_sinks", "torch_renorm")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """B query rows of length L per (batch, head) against S keys; causal unless L == 1."""
-
-    name: str
-    mode: str  # "fwd", "fwdbwd" or "decode"
-    B: int
-    H: int
-    Hkv: int
-    L: int
-    S: int
-    D: int
+import flexattn
+from flexattn import mods
 
 
 def suite(dry_run: bool) -> list[Case]:
@@ -73,9 +45,8 @@ def _renorm(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.
     return (out * torch.exp(lse - total)[..., None]).to(out.dtype)
 
 
-def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -> tuple[Callable, list]:
-    """A closure running one call of ``impl`` on fresh inputs, and the tensors whose .grad
-    it fills (reset between timed runs)."""
+def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -> Callable:
+    """A closure running one call of ``impl`` on fresh inputs (and its backward for fwdbwd)."""
     train = case.mode == "fwdbwd"
     q = torch.randn(case.B, case.H, case.L, case.D, device=device, dtype=dtype, requires_grad=train)
     k = torch.randn(case.B, case.Hkv, case.S, case.D, device=device, dtype=dtype, requires_grad=train)
@@ -108,86 +79,12 @@ def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -
             torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad_out)
         return out
 
-    return run, leaves
+    return run
 
 
-def time_ms(fn: Callable, device: torch.device, dry_run: bool) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"))
-    times = []
-    for _ in range(2 if dry_run else 6):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])
-
-
-def run(args: argparse.Namespace) -> dict:
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
-    rows = []
-    for case in suite(args.dry_run):
-        calls = {}
-        for impl in IMPLS:
-            torch._dynamo.reset()
-            try:
-                fn, _ = make_call(impl, case, device, dtype)
-                fn()  # compile and warm up
-                calls[impl] = fn
-            except Exception as error:  # noqa: BLE001 - recorded, the run goes on
-                calls[impl] = f"{type(error).__name__}: {str(error)[:200]}"
-        times: dict[str, list[float]] = {impl: [] for impl in IMPLS if callable(calls[impl])}
-        for _ in range(args.rounds):
-            for impl in times:
-                times[impl].append(time_ms(calls[impl], device, args.dry_run))
-        medians = {impl: statistics.median(t) for impl, t in times.items()}
-        row = {**dataclasses.asdict(case), "median_ms": medians, "rounds_ms": times,
-               "errors": {impl: c for impl, c in calls.items() if not callable(c)}}
-        if "flexattn" in medians and "flexattn_sinks" in medians:
-            row["sinks_over_plain"] = medians["flexattn_sinks"] / medians["flexattn"]
-        if "torch_renorm" in medians and "flexattn_sinks" in medians:
-            row["sinks_over_torch_renorm"] = medians["flexattn_sinks"] / medians["torch_renorm"]
-        rows.append(row)
-    name = "cpu" if args.dry_run else torch.cuda.get_device_name().lower().replace(" ", "-")
-    return {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "device": name,
-            "torch": torch.__version__, "rounds": args.rounds, "rows": rows,
-            "stamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")}
-
-
-def table(report: dict) -> str:
-    lines = ["| case | mode | flexattn ms | with sinks ms | torch + renorm ms | sinks / plain | sinks / torch+renorm |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for row in report["rows"]:
-        m = row["median_ms"]
-
-        def cell(key, fmt="{:.3f}"):
-            value = m.get(key) if key in IMPLS else row.get(key)
-            return fmt.format(value) if value is not None else "-"
-
-        lines.append(f"| {row['name']} | {row['mode']} | {cell('flexattn')} | {cell('flexattn_sinks')} | "
-                     f"{cell('torch_renorm')} | {cell('sinks_over_plain', '{:.3f}x')} | "
-                     f"{cell('sinks_over_torch_renorm', '{:.3f}x')} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks that the script runs")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds taken in turn per case")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON result")
-    args = parser.parse_args(argv)
-    if args.dry_run:
-        args.rounds = min(args.rounds, 2)
-    report = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"sinks-{report['device']}-{report['stamp']}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"results: {path}")
-    print(table(report))
-    return report
-
+SINKS = Feature("sinks", __doc__.splitlines()[0], ("flexattn", "flexattn_sinks", "torch_renorm"), suite, make_call,
+                {"sinks_over_plain": ("flexattn_sinks", "flexattn"),
+                 "sinks_over_torch_renorm": ("flexattn_sinks", "torch_renorm")})
 
 if __name__ == "__main__":
-    main()
+    main(SINKS)

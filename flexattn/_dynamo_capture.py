@@ -130,8 +130,19 @@ def _tensor_or_none(var):
     return var
 
 
+def _is_dict(var) -> bool:
+    """Whether a variable is a dict's (a constant's ``items`` raises, so no hasattr)."""
+    try:
+        return isinstance(var.items, dict)
+    except (AttributeError, NotImplementedError):
+        return False
+
+
 def _as_python_value(var):
-    """A traced Python scalar as a constant; a symbolic one is specialised (guarded)."""
+    """A traced Python scalar as a constant; a symbolic one is specialised (guarded);
+    a dict (the internal options' nested one) value by value."""
+    if _is_dict(var):
+        return _constant_kernel_options(var)
     if hasattr(var, "evaluate_expr"):
         return var.evaluate_expr()
     return var.as_python_constant()
@@ -144,7 +155,7 @@ def _constant_kernel_options(var) -> dict:
     that Dynamo made symbolic (an option passed in from outside the compiled function
     and changed between calls) is specialised here, which guards on it.
     """
-    if hasattr(var, "items") and isinstance(var.items, dict):
+    if _is_dict(var):
         return {_as_python_value(key.vt): _as_python_value(value) for key, value in var.items.items()}
     return var.as_python_constant()
 

@@ -236,13 +236,27 @@ def test_tune_and_profiler_options_depend_on_the_kernel(monkeypatch):
         profiler.parse_args(["--kernel", "attention", "--paged"])
 
 
-def test_sinks_benchmark_dry_run(tmp_path):
+def test_sinks_benchmark_dry_run(tmp_path, monkeypatch):
     """bench/bench_sinks.py runs and records every case, with and without sinks timed
     (torch's compiled flex has no lse or backward on a CPU: its cells hold the error)."""
-    report = _load("bench_sinks").main(["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
+    monkeypatch.syspath_prepend(str(BENCH))
+    sinks = _load("bench_sinks")
+    report = sinks.main(sinks.SINKS, ["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
     saved = json.loads(next(tmp_path.glob("sinks-cpu-*.json")).read_text())
     assert saved["rows"] and saved["command"].startswith("python")
     for row in report["rows"]:
         assert row["median_ms"]["flexattn"] > 0 and row["median_ms"]["flexattn_sinks"] > 0, row
         assert row["sinks_over_plain"] > 0
         assert "torch_renorm" in row["median_ms"] or "torch_renorm" in row["errors"]
+
+
+def test_dropout_benchmark_dry_run(tmp_path, monkeypatch):
+    """bench/bench_dropout.py runs and records every case: flexattn with and without
+    dropout and SDPA with the same dropout_p, and their ratios."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    dropout = _load("bench_dropout")
+    report = dropout.main(dropout.DROPOUT, ["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
+    assert json.loads(next(tmp_path.glob("dropout-cpu-*.json")).read_text())["rows"]
+    for row in report["rows"]:
+        assert set(row["median_ms"]) == set(dropout.DROPOUT.impls), row
+        assert row["dropout_over_plain"] > 0 and row["dropout_over_sdpa"] > 0

@@ -233,3 +233,17 @@ def test_bad_dropout_is_refused():
     big = torch.zeros(8, 16, 1024, 8, device=DEVICE)  # 2**27 probabilities
     with pytest.raises(ValueError, match=r"probabilities=True\) returns .* at most 67108864 entries"):
         flexattn.flex_attention(big, big, big, return_aux=AuxRequest(probabilities=True))
+
+
+def test_compiled_call_with_changing_dropout_p():
+    """A compiled function called with another dropout_p (train and eval in turn): Dynamo
+    traces the changed float symbolically, and the operator's options hold its value
+    (specialised, so one graph per value) instead of failing to capture."""
+    gen = harness.generator(17)
+    q, k, v = (harness.randn(gen, 1, 2, 32, 16) for _ in range(3))
+    attend = torch.compile(lambda q, k, v, p: flexattn.flex_attention(q, k, v, dropout_p=p), fullgraph=True)
+    plain = flexattn.flex_attention(q, k, v)
+    for p in (0.1, 0.5, 0.0):
+        out = attend(q, k, v, p)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, plain) if p == 0.0 else not torch.allclose(out, plain)

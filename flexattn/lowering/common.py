@@ -171,8 +171,9 @@ def sinks_for_kernel(sinks, query):
 
 def seed_for_kernel(dropout_seed, device):
     """The ``SEED`` argument of a forward or backward template: the call's (2,) int64
-    dropout seed, or a filler when it has none (HAS_DROPOUT False)."""
-    return _signature_filler(device) if dropout_seed is None else dropout_seed
+    dropout seed, or a filler when it has none (HAS_DROPOUT False). A seed drawn inside
+    the graph and used by no backward is still a pointwise node: realized here."""
+    return _signature_filler(device) if dropout_seed is None else realize_fixed(dropout_seed)
 
 
 def dropout_specialisations(kernel_options) -> dict[str, Any]:
