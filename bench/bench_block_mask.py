@@ -73,7 +73,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _PeakResidentMemory:
+class PeakResidentMemory:
     """Peak growth of this process's resident memory over a ``with`` block (Linux).
 
     A background thread samples /proc/self/statm every millisecond; short spikes can
@@ -129,7 +129,7 @@ def _measure(build, args, device: torch.device, repeats: int) -> dict:
             _synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - baseline
         else:
-            with _PeakResidentMemory() as memory:
+            with PeakResidentMemory() as memory:
                 build(*args)
             peak = memory.peak_bytes
         return {"median_ms": 1e3 * statistics.median(times), "peak_bytes": peak, "runs": repeats}

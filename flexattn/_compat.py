@@ -269,6 +269,16 @@ def inductor_cpu_backend() -> str:
     return inductor_config.cpu_backend
 
 
+def load_cpp_library(source: str):
+    """A C++ source compiled into a shared library and loaded (``ctypes.CDLL``), with the
+    compiler, flags (vector ISA, OpenMP, torch's headers and libraries) and on-disk
+    cache Inductor uses for its own C++ kernels: where Inductor's CPU backend compiles,
+    so do flexattn's CPU kernels."""
+    from torch._inductor.codecache import CppCodeCache
+
+    return CppCodeCache.load(source)
+
+
 #: Every public name of this module, those of the sections below included.
 __all__ = [
     "DispatchKey",
@@ -288,6 +298,7 @@ __all__ = [
     "graph_zeroed_workspace",
     "hop_init_kwargs",
     "inductor_cpu_backend",
+    "load_cpp_library",
     "selective_checkpoint_modes",
     "compiled_graph_count",
     "make_fx",

@@ -7,10 +7,10 @@ argument, fills defaults, turns the BlockMask into the operator's tuple and call
 ``flex_attention_hop``.
 
 Under ``torch.compile`` the call is captured whole (see ``_dynamo_capture``). Called
-eagerly, it compiles the operator itself, once per input signature, so eager users get
-the same fused kernels: with Inductor on CUDA (and on CPU when Inductor's CPU backend is
-Triton), and with Dynamo's eager backend on CPU otherwise, where the operator's dense
-implementation is the CPU path.
+eagerly, it compiles the operator itself with Inductor, so eager users get the same
+fused kernels: on a GPU once per input signature; on the CPU (whose C++ engine takes
+sizes at run time) with automatic dynamic shapes, so a second length makes the graph
+dynamic instead of compiling once per length.
 """
 
 from __future__ import annotations
@@ -268,15 +268,14 @@ def _call_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_opti
                               dropout_seed=dropout_seed)
 
 
-def _eager_backend(device: torch.device) -> str:
-    if device.type == "cpu" and _compat.inductor_cpu_backend() != "triton":
-        return "eager"
-    return "inductor"
+def _cpu_engine(device: torch.device) -> bool:
+    """Whether a call on ``device`` runs the C++ CPU engine (not Triton kernels)."""
+    return device.type == "cpu" and _compat.inductor_cpu_backend() != "triton"
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_hop(backend: str) -> Callable:
-    return torch.compile(_call_hop, backend=backend, fullgraph=True, dynamic=False)
+def _compiled_hop(dynamic: bool | None) -> Callable:
+    return torch.compile(_call_hop, backend="inductor", fullgraph=True, dynamic=dynamic)
 
 
 #: Set by ``eager_mods``: calls outside torch.compile run the reference without compiling.
@@ -304,17 +303,16 @@ def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_o
         # Plain autograd through the math: tensors the mods close over get their gradients.
         return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), (), sinks,
                           call_dropout(kernel_options, dropout_seed))
-    backend = _eager_backend(query.device)
+    compiled = _compiled_hop(None if _cpu_engine(query.device) else False)
     timed = log.isEnabledFor(logging.INFO)
     if timed:
         graphs, started = _compat.compiled_graph_count(), time.perf_counter()
     with _compat.unlimited_recompiles():
-        result = _compiled_hop(backend)(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks,
-                                        dropout_seed)
+        result = compiled(query, key, value, score_mod, block_mask_tuple, scale, kernel_options, sinks, dropout_seed)
     if timed and _compat.compiled_graph_count() != graphs:
-        log.info("flexattn: compiled the operator for q %s k %s v %s %s on %s (%s backend) in %.2f s; "
+        log.info("flexattn: compiled the operator for q %s k %s v %s %s on %s in %.2f s; "
                  "later calls with this signature reuse it", list(query.shape), list(key.shape),
-                 list(value.shape), query.dtype, query.device, backend, time.perf_counter() - started)
+                 list(value.shape), query.dtype, query.device, time.perf_counter() - started)
     return result
 
 

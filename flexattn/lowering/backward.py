@@ -102,18 +102,6 @@ def use_dq_atomics(kernel_options: dict[str, Any], device: torch.device, dtype: 
     return bool(requested)
 
 
-def compute_delta(out, grad_out, grad_logsumexp):
-    """rowsum(dO * O) in float32 (float64 for float64 calls), minus the lse gradient when
-    there is one (one fused reduction; see the module docstring for why the lse gradient
-    folds in here)."""
-    work = stats_dtype(out.get_dtype())
-    prod = lowerings[aten.mul.Tensor](to_dtype(out, work), to_dtype(grad_out, work))
-    delta = lowerings[aten.sum.dim_IntList](prod, [-1])
-    if grad_logsumexp is not None:
-        delta = lowerings[aten.sub.Tensor](delta, to_dtype(grad_logsumexp, work))
-    return common.realize_fixed(delta)
-
-
 def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
                    block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers, dropout_seed=None):
     """grad_query, grad_key, grad_value and the captured tensors' gradients, from the
@@ -148,7 +136,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     query, key, value = call.query, call.key, call.value
     logsumexp = common.realize_fixed(logsumexp)
     grad_out = common.realize_fixed(grad_out)
-    delta = compute_delta(out, grad_out, grad_logsumexp)
+    delta = common.compute_delta(out, grad_out, grad_logsumexp)
 
     captured = common.as_tensor_boxes(call.score_mod_buffers)
     grad_score_buffer = build_mod_buffer(graph_returning(joint_gm, joint_outputs(joint_gm)[0]), JOINT_ARGS, dtype,

@@ -116,7 +116,7 @@ def scatter_terms(node: torch.fx.Node, buffer_rank: int, what: str) -> list[Scat
         f"0-d tensor used directly. Slices and partial indexing are not supported.")
 
 
-def _scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str,
+def scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str,
                    fast_tanh: bool = False):
     """An IR loader of ``node`` (a 0-d value of the joint graph) for the template."""
     buffer = build_mod_buffer(graph_returning(gm, node), JOINT_ARGS, dtype, device, captured, what,
@@ -211,15 +211,15 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
             for term in terms:
                 value = build_mod_buffer(graph_returning(joint_gm, term.value), JOINT_ARGS, dtype, device,
                                          captured, what, fast_tanh=fast_tanh)
-                index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
+                index_fns = [scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
                 reduced += [value, _linear_index_buffer(index_fns, sizes, offsets[i], device)]
             continue
         grad = realize_fixed(lowerings[aten.full.default](sizes, 0.0, dtype=torch.float32, device=device))
         grads[i] = grad
         scatter_grads.append(grad)
         for term in terms:
-            value_fn = _scalar_loader(joint_gm, term.value, dtype, device, captured, what, fast_tanh)
-            index_fns = [_scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
+            value_fn = scalar_loader(joint_gm, term.value, dtype, device, captured, what, fast_tanh)
+            index_fns = [scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
 
             def output_indexer(_, index_fns=index_fns, sizes=sizes):
                 return [ops.indirect_indexing(fn(()), size, check=False) for fn, size in zip(index_fns, sizes)]

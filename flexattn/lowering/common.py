@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 from torch._inductor import ir
-from torch._inductor.lowering import empty_strided, expand, to_dtype
+from torch._inductor.lowering import empty_strided, expand, lowerings, to_dtype
 from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv, Mod
 
@@ -287,6 +287,18 @@ def prepare_call(query, key, value, score_graph, block_mask, kernel_options, sco
 def captured_inputs(call: PreparedCall) -> list:
     """The captured tensors a template reads, after its own inputs."""
     return [b for b in (*call.score_mod_buffers, *call.mask_mod_buffers) if isinstance(b, ir.IRNode)]
+
+
+def compute_delta(out, grad_out, grad_logsumexp):
+    """rowsum(dO * O) in float32 (float64 for float64 calls), minus the lse gradient when
+    there is one (one fused reduction; see the module docstring for why the lse gradient
+    folds in here)."""
+    work = stats_dtype(out.get_dtype())
+    prod = lowerings[torch.ops.aten.mul.Tensor](to_dtype(out, work), to_dtype(grad_out, work))
+    delta = lowerings[torch.ops.aten.sum.dim_IntList](prod, [-1])
+    if grad_logsumexp is not None:
+        delta = lowerings[torch.ops.aten.sub.Tensor](delta, to_dtype(grad_logsumexp, work))
+    return realize_fixed(delta)
 
 
 # --------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 A call whose tensors live on a CUDA (or XPU) device, or on the CPU when Inductor's CPU
 backend is Triton (the interpreter), goes to a Triton template: the split-KV decode
 kernel for short queries against long keys (``decode_plan.wants_decode_kernel``), else
-the forward kernel; its backward to the backward kernel. Other CPU calls go to the
-dense decomposition (``dense.py``) that Inductor's C++ backend compiles.
+the forward kernel; its backward to the backward kernel. Other CPU calls go to the C++
+CPU engine (``cpu_flash.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .backward import lower_backward
 from .common import check_positive_lengths, hint
 from .decode import lower_decode
 from .decode_plan import wants_decode_kernel
-from .dense import lower_dense, lower_dense_backward
+from .cpu_flash import lower_cpu_backward, lower_cpu_forward
 from .forward import lower_forward
 from .subgraph import inline_scalar_items
 
@@ -51,10 +51,9 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
         return lower_forward(*args, dropout_seed)
     if device.type == "cpu":
         started = time.perf_counter()
-        result = lower_dense(*args, dropout_seed)
-        log.info("flexattn forward on CPU with cpu_backend=%r: dense decomposition, q %s k %s v %s, lowered in "
-                 "%.2f s", _compat.inductor_cpu_backend(), list(query.get_size()), list(key.get_size()),
-                 list(value.get_size()), time.perf_counter() - started)
+        result = lower_cpu_forward(*args, dropout_seed)
+        log.info("flexattn forward on CPU: the C++ engine, q %s k %s v %s, lowered in %.2f s",
+                 list(query.get_size()), list(key.get_size()), list(value.get_size()), time.perf_counter() - started)
         return result
     raise NotImplementedError(f"flexattn: no forward kernel for device type {device.type!r}")
 
@@ -73,11 +72,10 @@ def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
                               block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers, dropout_seed)
     if device.type == "cpu":
         started = time.perf_counter()
-        result = lower_dense_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
-                                      joint_graph, block_mask, scale, score_mod_buffers, mask_mod_buffers, sinks,
-                                      kernel_options, dropout_seed)
-        log.info("flexattn backward on CPU with cpu_backend=%r: dense decomposition, lowered in %.2f s",
-                 _compat.inductor_cpu_backend(), time.perf_counter() - started)
+        result = lower_cpu_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph,
+                                    joint_graph, block_mask, scale, kernel_options, score_mod_buffers,
+                                    mask_mod_buffers, dropout_seed)
+        log.info("flexattn backward on CPU: the C++ engine, lowered in %.2f s", time.perf_counter() - started)
         return result
     raise NotImplementedError(f"flexattn: no backward kernel for device type {device.type!r}")
 

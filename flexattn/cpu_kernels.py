@@ -1,0 +1,264 @@
+"""The runtime of flexattn's CPU attention: the two operators the CPU lowering
+(``lowering/cpu_flash.py``) emits, and the C++ libraries they run.
+
+``flexattn::cpu_flash_forward`` and ``flexattn::cpu_flash_backward`` take the call's
+tensors, its block tables, the tensors its mods capture, the values of the symbolic
+sizes the mods' indexing uses, the C++ source of its mod library and its plan (a JSON
+object, ``lowering/configs/cpu.py``). They allocate the outputs and hand one
+``cpu_abi.CallArgs`` to the engine (``templates/cpu_flash.cpp.jinja``), which runs the
+tile loops and calls the mod library through function pointers.
+
+Both libraries are compiled on first use by the compiler Inductor uses for its own C++
+kernels and cached on disk by source: the engine once per machine, a mod library once
+per distinct score_mod/mask_mod/dtype (a fraction of a second). Sizes are run-time
+arguments, so a new shape compiles nothing here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import sys
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from . import _compat, cpu_abi
+from ._hop import output_strides
+from .reference import stats_dtype
+from .templates import render_cpp
+
+#: Engine return codes.
+_ENGINE_ERRORS = {1: "an internal error", 2: "an unsupported dtype", 3: "running out of memory"}
+
+
+class CpuKernelError(RuntimeError):
+    """flexattn's CPU kernels could not be built or run."""
+
+
+@functools.lru_cache(maxsize=None)
+def engine() -> ctypes.CDLL:
+    """The engine library (compiled on first use, then cached on disk)."""
+    source = render_cpp("cpu_flash.cpp", COMMON=cpu_abi.common_header(), UNARY_MATH=cpu_abi.UNARY_MATH,
+                        BINARY_MATH=cpu_abi.BINARY_MATH)
+    try:
+        lib = _compat.load_cpp_library(source)
+    except Exception as error:  # noqa: BLE001 - re-raised with what failed
+        raise CpuKernelError(f"flexattn: could not compile its CPU attention engine with Inductor's C++ "
+                             f"compiler: {error}") from error
+    for name in ("fa_forward", "fa_backward"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.fa_math.restype = ctypes.c_void_p
+    return lib
+
+
+_mod_lock = threading.Lock()
+_mod_libraries: dict[str, tuple[Any, int | None, int | None, int | None]] = {}
+
+
+def mod_library(source: str) -> tuple[Any, int | None, int | None, int | None]:
+    """(library, fa_score, fa_mask, fa_joint addresses or None) of a mod library source."""
+    found = _mod_libraries.get(source)
+    if found is not None:
+        return found
+    with _mod_lock:
+        if source not in _mod_libraries:
+            try:
+                lib = _compat.load_cpp_library(source)
+            except Exception as error:  # noqa: BLE001 - re-raised with what failed
+                raise CpuKernelError(f"flexattn: could not compile the C++ of this call's score_mod/mask_mod: "
+                                     f"{error}") from error
+            addresses = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value if hasattr(lib, name) else None
+                         for name in ("fa_score", "fa_mask", "fa_joint")]
+            _mod_libraries[source] = (lib, *addresses)
+    return _mod_libraries[source]
+
+
+def _torch_libraries() -> list[str]:
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    names = {"linux": ["libtorch_cpu.so"], "darwin": ["libtorch_cpu.dylib"], "win32": ["torch_cpu.dll"]}
+    return [os.path.join(lib_dir, n) for n in names.get(sys.platform, ["libtorch_cpu.so"])]
+
+
+@functools.lru_cache(maxsize=None)
+def blas_symbols() -> tuple[int, int]:
+    """Addresses of the Fortran BLAS ``sgemm_`` and ``dgemm_`` that torch links (MKL in
+    torch's x86-64 wheels, OpenBLAS or Accelerate elsewhere)."""
+    handles = []
+    for path in _torch_libraries():
+        if os.path.exists(path):
+            handles.append(ctypes.CDLL(path))
+    handles.append(ctypes.CDLL(None))
+    found = []
+    for name in ("sgemm_", "dgemm_"):
+        for handle in handles:
+            if hasattr(handle, name):
+                found.append(ctypes.cast(getattr(handle, name), ctypes.c_void_p).value)
+                break
+        else:
+            raise CpuKernelError(f"flexattn: its CPU kernels multiply tiles with the BLAS routine {name} that "
+                                 "torch links, and this torch build exports none (torch.__config__.show() "
+                                 "says which BLAS it uses)")
+    return found[0], found[1]
+
+
+@functools.lru_cache(maxsize=256)
+def parse_plan(plan: str) -> dict[str, Any]:
+    return json.loads(plan)
+
+
+def _pointer_array(tensors: Sequence[torch.Tensor]):
+    array = (ctypes.c_void_p * max(1, len(tensors)))()
+    for i, t in enumerate(tensors):
+        array[i] = t.data_ptr()
+    return array
+
+
+def _call_args(plan, query, key, value, kv_num, kv_idx, full_num, full_idx, buffers, symbols, mods,
+               keep_alive: list) -> cpu_abi.CallArgs:
+    """The CallArgs fields that forward and backward share."""
+    B, Hq, L, E = query.shape
+    _, Hkv, S, _ = key.shape
+    args = cpu_abi.CallArgs()
+    args.dtype = cpu_abi.DTYPE_CODES[query.dtype]
+    args.B, args.Hq, args.Hkv, args.L, args.S, args.E, args.Ev = B, Hq, Hkv, L, S, E, value.shape[-1]
+    for name, t in (("q", query), ("k", key), ("v", value)):
+        setattr(args, name, cpu_abi.data(t))
+        setattr(args, f"{name}_strides", cpu_abi.strides(t, 4))
+    for prefix, num, idx in (("kv", kv_num, kv_idx), ("full", full_num, full_idx)):
+        present = num is not None and idx is not None and num.numel() > 0 and idx.numel() > 0
+        setattr(args, f"{prefix}_num", cpu_abi.data(num) if present else None)
+        setattr(args, f"{prefix}_num_strides", cpu_abi.strides(num if present else None, 3))
+        setattr(args, f"{prefix}_idx", cpu_abi.data(idx) if present else None)
+        setattr(args, f"{prefix}_idx_strides", cpu_abi.strides(idx if present else None, 4))
+        setattr(args, f"{prefix}_idx_width", idx.shape[-1] if present else 0)
+    args.q_block, args.kv_block = plan["q_block"], plan["kv_block"]
+    args.q_tile, args.kv_tile = plan["q_tile"], plan["kv_tile"]
+    args.scale = plan["scale"]
+    args.threads = torch.get_num_threads()
+    args.sgemm, args.dgemm = blas_symbols()
+
+    buffer_ptrs = _pointer_array(buffers)
+    symbol_values = (ctypes.c_int64 * max(1, len(symbols)))(*[int(s) for s in symbols])
+    ctx = cpu_abi.ModContext()
+    ctx.buffers = ctypes.cast(buffer_ptrs, ctypes.c_void_p)
+    ctx.symbols = ctypes.cast(symbol_values, ctypes.c_void_p)
+    ctx.math = engine().fa_math()
+    keep_alive += [buffer_ptrs, symbol_values, ctx, buffers]
+    if mods:
+        lib, score, mask, joint = mod_library(mods)
+        keep_alive.append(lib)
+        args.score_fn = score if plan.get("score") else None
+        args.mask_fn = mask if plan.get("mask") else None
+        args.joint_fn = joint if plan.get("joint") else None
+    args.ctx = ctypes.addressof(ctx)
+    return args
+
+
+def _set_dropout(args: cpu_abi.CallArgs, plan: dict, seed: torch.Tensor | None) -> None:
+    if seed is None or not plan.get("dropout_threshold"):
+        return
+    key, stream = (int(x) for x in seed.tolist())
+    args.dropout_threshold = plan["dropout_threshold"]
+    args.dropout_scale = plan["dropout_scale"]
+    args.seed_key, args.seed_stream = key & (2**64 - 1), stream & (2**64 - 1)
+
+
+def _run(entry: str, args: cpu_abi.CallArgs) -> None:
+    rc = getattr(engine(), entry)(ctypes.addressof(args))
+    if rc:
+        raise CpuKernelError(f"flexattn: the CPU attention {entry[3:]} failed with {_ENGINE_ERRORS.get(rc, rc)}")
+
+
+# --------------------------------------------------------------------------------------
+# The operators
+# --------------------------------------------------------------------------------------
+_LIBRARY = torch.library.Library("flexattn", "DEF")  # noqa: TOR901 - flexattn's own namespace
+_LIBRARY.define(
+    "cpu_flash_forward(Tensor query, Tensor key, Tensor value, Tensor kv_num_blocks, Tensor kv_indices, "
+    "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor? sinks, Tensor? dropout_seed, "
+    "Tensor[] buffers, SymInt[] symbols, str mods, str plan) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(
+    "cpu_flash_backward(Tensor query, Tensor key, Tensor value, Tensor logsumexp, Tensor delta, "
+    "Tensor grad_out, Tensor kv_num_blocks, Tensor kv_indices, Tensor? full_kv_num_blocks, "
+    "Tensor? full_kv_indices, Tensor? dropout_seed, Tensor[] buffers, SymInt[] symbols, SymInt[] grad_sizes, "
+    "str mods, str plan) -> (Tensor, Tensor, Tensor, Tensor[])")
+
+
+def _forward_outputs(query, value):
+    B, Hq, L, _ = query.shape
+    Ev = value.shape[-1]
+    out = torch.empty_strided((B, Hq, L, Ev), output_strides(query, Ev), dtype=query.dtype, device=query.device)
+    lse = query.new_empty((B, Hq, L), dtype=stats_dtype(query.dtype))
+    return out, lse, torch.empty_like(lse)
+
+
+def _grad_shapes(plan: dict, grad_sizes: Sequence) -> list[list]:
+    shapes, at = [], 0
+    for rank in plan.get("grad_ranks", []):
+        shapes.append(list(grad_sizes[at:at + rank]))
+        at += rank
+    return shapes
+
+
+def _backward_outputs(plan, query, key, value, grad_sizes):
+    grads = [query.new_zeros(shape, dtype=stats_dtype(query.dtype)) for shape in _grad_shapes(plan, grad_sizes)]
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grads
+
+
+@torch.library.impl(_LIBRARY, "cpu_flash_forward", "CPU")
+def _cpu_flash_forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sinks,
+                       dropout_seed, buffers, symbols, mods, plan):
+    plan_dict = parse_plan(plan)
+    out, lse, max_scores = _forward_outputs(query, value)
+    keep_alive: list = []
+    args = _call_args(plan_dict, query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                      buffers, symbols, mods, keep_alive)
+    args.out, args.out_strides = out.data_ptr(), cpu_abi.strides(out, 4)
+    args.lse, args.lse_strides = lse.data_ptr(), cpu_abi.strides(lse, 3)
+    args.max_scores, args.max_strides = max_scores.data_ptr(), cpu_abi.strides(max_scores, 3)
+    if sinks is not None:
+        args.sinks, args.sinks_strides = sinks.data_ptr(), cpu_abi.strides(sinks, 2)
+    _set_dropout(args, plan_dict, dropout_seed)
+    _run("fa_forward", args)
+    return out, lse, max_scores
+
+
+@torch.library.register_fake("flexattn::cpu_flash_forward")
+def _fake_cpu_flash_forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                            sinks, dropout_seed, buffers, symbols, mods, plan):
+    return _forward_outputs(query, value)
+
+
+@torch.library.impl(_LIBRARY, "cpu_flash_backward", "CPU")
+def _cpu_flash_backward(query, key, value, logsumexp, delta, grad_out, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                        full_kv_indices, dropout_seed, buffers, symbols, grad_sizes, mods, plan):
+    plan_dict = parse_plan(plan)
+    grad_query, grad_key, grad_value, grads = _backward_outputs(plan_dict, query, key, value, grad_sizes)
+    keep_alive: list = []
+    args = _call_args(plan_dict, query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                      buffers, symbols, mods, keep_alive)
+    for name, t, n in (("lse", logsumexp, 3), ("delta", delta, 3), ("grad_out", grad_out, 4),
+                       ("grad_q", grad_query, 4), ("grad_k", grad_key, 4), ("grad_v", grad_value, 4)):
+        setattr(args, name, t.data_ptr())
+        setattr(args, f"{name}_strides" if name != "lse" else "lse_strides", cpu_abi.strides(t, n))
+    grad_ptrs = _pointer_array(grads)
+    numels = (ctypes.c_int64 * max(1, len(grads)))(*[g.numel() for g in grads])
+    ctx = cpu_abi.ModContext.from_address(args.ctx)
+    ctx.grads = ctypes.cast(grad_ptrs, ctypes.c_void_p)
+    args.grad_numels, args.num_grads = ctypes.cast(numels, ctypes.c_void_p).value, len(grads)
+    keep_alive += [grad_ptrs, numels]
+    _set_dropout(args, plan_dict, dropout_seed)
+    _run("fa_backward", args)
+    return grad_query, grad_key, grad_value, grads
+
+
+@torch.library.register_fake("flexattn::cpu_flash_backward")
+def _fake_cpu_flash_backward(query, key, value, logsumexp, delta, grad_out, kv_num_blocks, kv_indices,
+                             full_kv_num_blocks, full_kv_indices, dropout_seed, buffers, symbols, grad_sizes, mods,
+                             plan):
+    return _backward_outputs(parse_plan(plan), query, key, value, grad_sizes)

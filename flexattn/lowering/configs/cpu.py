@@ -1,0 +1,43 @@
+"""The tiling of the CPU engine (``templates/cpu_flash.cpp.jinja``): a pure function
+from a call's frozen inputs to its plan.
+
+A query tile never spans two sparse query blocks (each block has its own list of KV
+blocks), so it is the block's height, or an even split of it when the block is taller
+than ``MAX_Q_TILE``. A KV span merges consecutive listed blocks up to ``KV_TILE`` keys
+(one larger matrix product instead of several), and a KV block wider than that is
+walked ``KV_TILE`` keys at a time. Why these sizes: DECISIONS ``cpu-tiles``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ... import cpu_abi
+
+#: Rows of a query tile at most (DECISIONS ``cpu-tiles``).
+MAX_Q_TILE = 256
+#: Keys of a KV span at most; also the longest row a mod function is called with.
+KV_TILE = cpu_abi.MAX_ROW
+
+
+@dataclass(frozen=True)
+class CpuPlanInputs:
+    q_block: int
+    kv_block: int
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    q_tile: int
+    kv_tile: int
+
+
+def plan(inputs: CpuPlanInputs) -> CpuPlan:
+    tiles_per_block = math.ceil(inputs.q_block / MAX_Q_TILE)
+    q_tile = math.ceil(inputs.q_block / tiles_per_block)
+    if inputs.kv_block >= KV_TILE:
+        kv_tile = KV_TILE
+    else:
+        kv_tile = (KV_TILE // inputs.kv_block) * inputs.kv_block
+    return CpuPlan(q_tile=q_tile, kv_tile=kv_tile)
