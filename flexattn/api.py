@@ -457,8 +457,10 @@ def flex_attention(
     if return_aux is not None:
         probabilities = None
         if return_aux.probabilities:
-            probabilities = _applied_probabilities(query, key, score_mod, block_mask.as_tuple(), float(scale), sinks,
-                                                   call_dropout(options, seed))
+            # Run as Python under torch.compile too (a graph break): a debugging aid, dense.
+            # Disabled here rather than by a decorator, which would import Dynamo with flexattn.
+            probabilities = torch.compiler.disable(_applied_probabilities)(
+                query, key, score_mod, block_mask.as_tuple(), float(scale), sinks, call_dropout(options, seed))
         return out, AuxOutput(lse if return_aux.lse else None, max_scores if return_aux.max_scores else None,
                               probabilities)
     return out
@@ -472,9 +474,7 @@ def _check_probabilities_size(query: Tensor, key: Tensor) -> None:
                          f"{entries} for query {_shape(query)} and key {_shape(key)}")
 
 
-@torch.compiler.disable
 def _applied_probabilities(query, key, score_mod, block_mask_tuple, scale, sinks, dropout):
-    # Run as Python under torch.compile too (a graph break): a debugging aid, dense.
     with torch.no_grad():
         return attention_probabilities(query, key, score_mod, block_mask_tuple, scale, (), (), sinks, dropout)
 

@@ -84,14 +84,15 @@ CALL_FIELDS = (
     ("seed_key", ctypes.c_uint64), ("seed_stream", ctypes.c_uint64),
     # The plan (lowering/configs/cpu.py).
     ("q_tile", ctypes.c_int64), ("kv_tile", ctypes.c_int64), ("threads", ctypes.c_int64),
+    ("deterministic", ctypes.c_int64),                       # 1: static schedule, ordered sums
     # The mods: function pointers of the mod library (null: identity score_mod, mask
     # always true, no captured-tensor gradients), and their context.
     ("score_fn", ctypes.c_void_p), ("mask_fn", ctypes.c_void_p), ("joint_fn", ctypes.c_void_p),
     ("ctx", ctypes.c_void_p),                                # const FaModContext*
     ("grad_numels", ctypes.c_void_p), ("num_grads", ctypes.c_int64),  # const int64_t*
-    # Backward only.
+    # Backward only (``out`` above is then the forward's output, an input).
     ("grad_out", ctypes.c_void_p), ("grad_out_strides", I64x4),
-    ("delta", ctypes.c_void_p), ("delta_strides", I64x3),   # rowsum(dO * O) - dlse, softmax dtype
+    ("grad_lse", ctypes.c_void_p), ("grad_lse_strides", I64x3),  # (B, Hq, L) or null
     ("grad_q", ctypes.c_void_p), ("grad_q_strides", I64x4),
     ("grad_k", ctypes.c_void_p), ("grad_k_strides", I64x4),
     ("grad_v", ctypes.c_void_p), ("grad_v_strides", I64x4),

@@ -140,6 +140,7 @@ def _call_args(plan, query, key, value, kv_num, kv_idx, full_num, full_idx, buff
     args.q_tile, args.kv_tile = plan["q_tile"], plan["kv_tile"]
     args.scale = plan["scale"]
     args.threads = torch.get_num_threads()
+    args.deterministic = int(bool(plan.get("deterministic")))
     args.sgemm, args.dgemm = blas_symbols()
 
     buffer_ptrs = _pointer_array(buffers)
@@ -183,8 +184,8 @@ _LIBRARY.define(
     "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor? sinks, Tensor? dropout_seed, "
     "Tensor[] buffers, SymInt[] symbols, str mods, str plan) -> (Tensor, Tensor, Tensor)")
 _LIBRARY.define(
-    "cpu_flash_backward(Tensor query, Tensor key, Tensor value, Tensor logsumexp, Tensor delta, "
-    "Tensor grad_out, Tensor kv_num_blocks, Tensor kv_indices, Tensor? full_kv_num_blocks, "
+    "cpu_flash_backward(Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, "
+    "Tensor grad_out, Tensor? grad_logsumexp, Tensor kv_num_blocks, Tensor kv_indices, Tensor? full_kv_num_blocks, "
     "Tensor? full_kv_indices, Tensor? dropout_seed, Tensor[] buffers, SymInt[] symbols, SymInt[] grad_sizes, "
     "str mods, str plan) -> (Tensor, Tensor, Tensor, Tensor[])")
 
@@ -235,17 +236,18 @@ def _fake_cpu_flash_forward(query, key, value, kv_num_blocks, kv_indices, full_k
 
 
 @torch.library.impl(_LIBRARY, "cpu_flash_backward", "CPU")
-def _cpu_flash_backward(query, key, value, logsumexp, delta, grad_out, kv_num_blocks, kv_indices, full_kv_num_blocks,
-                        full_kv_indices, dropout_seed, buffers, symbols, grad_sizes, mods, plan):
+def _cpu_flash_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, kv_num_blocks, kv_indices,
+                        full_kv_num_blocks, full_kv_indices, dropout_seed, buffers, symbols, grad_sizes, mods, plan):
     plan_dict = parse_plan(plan)
     grad_query, grad_key, grad_value, grads = _backward_outputs(plan_dict, query, key, value, grad_sizes)
     keep_alive: list = []
     args = _call_args(plan_dict, query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                       buffers, symbols, mods, keep_alive)
-    for name, t, n in (("lse", logsumexp, 3), ("delta", delta, 3), ("grad_out", grad_out, 4),
-                       ("grad_q", grad_query, 4), ("grad_k", grad_key, 4), ("grad_v", grad_value, 4)):
-        setattr(args, name, t.data_ptr())
-        setattr(args, f"{name}_strides" if name != "lse" else "lse_strides", cpu_abi.strides(t, n))
+    for name, t, n in (("out", out, 4), ("lse", logsumexp, 3), ("grad_out", grad_out, 4),
+                       ("grad_lse", grad_logsumexp, 3), ("grad_q", grad_query, 4), ("grad_k", grad_key, 4),
+                       ("grad_v", grad_value, 4)):
+        setattr(args, name, cpu_abi.data(t))
+        setattr(args, f"{name}_strides", cpu_abi.strides(t, n))
     grad_ptrs = _pointer_array(grads)
     numels = (ctypes.c_int64 * max(1, len(grads)))(*[g.numel() for g in grads])
     ctx = cpu_abi.ModContext.from_address(args.ctx)
@@ -258,7 +260,7 @@ def _cpu_flash_backward(query, key, value, logsumexp, delta, grad_out, kv_num_bl
 
 
 @torch.library.register_fake("flexattn::cpu_flash_backward")
-def _fake_cpu_flash_backward(query, key, value, logsumexp, delta, grad_out, kv_num_blocks, kv_indices,
+def _fake_cpu_flash_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, kv_num_blocks, kv_indices,
                              full_kv_num_blocks, full_kv_indices, dropout_seed, buffers, symbols, grad_sizes, mods,
                              plan):
     return _backward_outputs(parse_plan(plan), query, key, value, grad_sizes)

@@ -52,11 +52,37 @@ def inductor_runs_flexattn_kernels():
 
     Use it with ``pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")``.
     """
+    with _fresh_compile("triton"):
+        yield
+
+
+#: The kernels a numerics test runs through: on a GPU its Triton kernels; on the CPU both
+#: the Triton kernels (in the interpreter) and the C++ CPU engine, the path CPU users get.
+KERNEL_PATHS = ["triton", "cpp"] if DEVICE == "cpu" else ["triton"]
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def flexattn_kernels(request):
+    """``inductor_runs_flexattn_kernels`` for each of ``KERNEL_PATHS``: a test using it runs
+    once per path (ids ``[triton]``, ``[cpp]``). ``@pytest.mark.triton_kernels`` marks a
+    test about the Triton kernels themselves (their options, their generated code): it
+    runs on the Triton path only. ``@pytest.mark.workflow`` marks a test of a whole
+    workflow (a training loop over lengths, say) whose kernels' numerics the per-kernel
+    tests already cover: on the CPU it runs on the C++ engine only (minutes in the
+    interpreter), on a GPU on the Triton kernels as every test."""
+    if request.param == "cpp" and request.node.get_closest_marker("triton_kernels"):
+        pytest.skip("about the Triton kernels; the CPU engine has its own tests")
+    if request.param == "triton" and DEVICE == "cpu" and request.node.get_closest_marker("workflow"):
+        pytest.skip("a workflow test: on the CPU it runs on the C++ engine")
+    with _fresh_compile(request.param):
+        yield request.param
+
+
+def _fresh_compile(cpu_backend: str):
     patches = {"force_disable_caches": True}
     if DEVICE == "cpu":
-        patches["cpu_backend"] = "triton"
-    with torch._inductor.config.patch(**patches):
-        yield
+        patches["cpu_backend"] = cpu_backend
+    return torch._inductor.config.patch(**patches)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,15 +39,7 @@ _compat.use_interpreter_libdevice()
 ON_CUDA, DTYPES, scaled = harness.ON_CUDA, harness.DTYPES, harness.scaled
 BACKWARD_MARK = "def dkv_visit_q_blocks("  # our backward template's inner loop
 
-@pytest.fixture(autouse=True)
-def _fresh_compile_with_our_template():
-    """No FX-graph / autotune cache hits; on CPU Inductor generates Triton (interpreted)."""
-    patches = {"force_disable_caches": True}
-    if not ON_CUDA:
-        patches["cpu_backend"] = "triton"
-    with torch._inductor.config.patch(**patches):
-        yield
-
+pytestmark = pytest.mark.usefixtures("flexattn_kernels")
 
 
 # --------------------------------------------------------------------------------------
@@ -422,6 +414,7 @@ def test_default_mask_dense_walk(options, L, S, E, Hq, Hkv):
              options=options, default_mask=True)
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("default_mask", [True, False], ids=["block_mask_none", "explicit_full_mask"])
 def test_dense_kv_only_for_the_default_mask(default_mask):
     """DENSE_KV in both kernels for block_mask=None; an explicit BlockMask, even one
@@ -444,6 +437,7 @@ def test_dense_kv_only_for_the_default_mask(default_mask):
         assert c.split("DENSE_KV : tl.constexpr = ", 1)[1].split("\n", 1)[0].strip() == str(default_mask)
 
 
+@pytest.mark.triton_kernels
 def test_compiled_backward_uses_our_template():
     n = 32
     gen = torch.Generator().manual_seed(0)
@@ -476,6 +470,7 @@ def _backward_constexprs(E: int, options: dict, names: tuple[str, ...]) -> dict[
     return {name: backward.split(f"{name} : tl.constexpr = ", 1)[1].split("\n", 1)[0].strip() for name in names}
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("E", [64, 128])
 def test_backward_tma_and_one_loop_choice(E):
     """USE_TMA follows configs.tma.TMA_DEFAULTS["backward"] unless kernel_options say
@@ -490,6 +485,7 @@ def test_backward_tma_and_one_loop_choice(E):
     assert _backward_constexprs(E, {"USE_TMA": False}, ("USE_TMA",)) == {"USE_TMA": "False"}
 
 
+@pytest.mark.triton_kernels
 def test_reversed_q_tiles_default_per_kernel():
     """REVERSED_Q_TILES: on in the backward, off in the forward by default
     (configs.forward/backward.REVERSED_Q_TILES); a kernel_options value pins both."""
@@ -529,6 +525,7 @@ def test_dq_atomic(case, dtype, use_tma):
              seed=zlib.crc32(case.encode()), **DQ_ATOMIC_CASES[case])
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("dq_atomic", [True, False])
 def test_dq_atomic_option_reaches_the_kernel(dq_atomic):
     n = 32
@@ -545,6 +542,7 @@ def test_dq_atomic_option_reaches_the_kernel(dq_atomic):
     assert f"DQ_ATOMIC : tl.constexpr = {dq_atomic}" in backward
 
 
+@pytest.mark.triton_kernels
 def test_dq_atomic_contradicts_deterministic():
     n = 32
     q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE, requires_grad=True) for _ in range(3))
@@ -582,6 +580,7 @@ def test_deterministic_gradients_are_bitwise_equal(how):
         assert torch.equal(a, b)
 
 
+@pytest.mark.triton_kernels
 def test_deterministic_refuses_captured_gradients():
     n = 32
     gen = torch.Generator().manual_seed(2)
@@ -597,7 +596,7 @@ def test_deterministic_refuses_captured_gradients():
 
 
 # --------------------------------------------------------------------------------------
-# float64 gradcheck of the compiled path; the dense CPU path
+# float64 gradcheck of the compiled path
 # --------------------------------------------------------------------------------------
 def test_gradcheck_compiled_float64():
     """float64 gradcheck (fast mode) of the compiled path: q, k, v (GQA) and learnable
@@ -617,32 +616,6 @@ def test_gradcheck_compiled_float64():
     # float64 inputs give a float64 lse (as torch's flex does): gradcheck's default step.
     assert compiled(q, k, v, slopes)[1].lse.dtype == torch.float64
     assert torch.autograd.gradcheck(lambda *a: compiled(*a)[1].lse, (q, k, v, slopes), fast_mode=True)
-
-
-@pytest.mark.skipif(ON_CUDA, reason="the dense path is the CPU (C++ backend) path")
-def test_dense_cpu_path_training_step():
-    """cpu_backend != "triton": the backward lowers to the dense decomposition."""
-    n, H = 24, 2
-    gen = torch.Generator().manual_seed(4)
-    q, k, v = (harness.randn(gen, 1, H, n, 16, requires_grad=True) for _ in range(3))
-    table = torch.randn(H, 2 * n - 1, generator=gen).requires_grad_(True)
-    bm = create_block_mask(mods.causal_mask, None, None, n, n, device="cpu", BLOCK_SIZE=16)
-
-    def attend(q, k, v):
-        return flexattn.flex_attention(q, k, v, mods.relative_bias(table), bm, return_aux=AuxRequest(lse=True))
-
-    def step(q, k, v):
-        out, aux = torch.compile(attend, backend="inductor", fullgraph=True)(q, k, v)
-        return torch.autograd.grad(out.square().sum() + aux.lse.sum(), (q, k, v, table))
-
-    with torch._inductor.config.patch(cpu_backend="cpp"):
-        got, code = run_and_get_code(step, q, k, v)
-    assert not any(BACKWARD_MARK in c for c in code)
-    qd, kd, vd, td = (t.detach().double().requires_grad_(True) for t in (q, k, v, table))
-    out, lse, _ = dense_math(qd, kd, vd, mods.relative_bias(td), bm.as_tuple(), 16 ** -0.5, (), ())
-    want = torch.autograd.grad(out.square().sum() + lse.sum(), (qd, kd, vd, td))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize("q_dtype, bias_dtype", [(torch.float32, torch.float64), (torch.float64, torch.float16),

@@ -19,7 +19,7 @@ import _harness as harness
 from conftest import DEVICE
 
 
-pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+pytestmark = pytest.mark.usefixtures("flexattn_kernels")
 
 
 def _check(compiled, q, k, v, bm, **kwargs):
@@ -28,6 +28,7 @@ def _check(compiled, q, k, v, bm, **kwargs):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.workflow
 def test_lengths_options_and_head_dims_change_between_calls():
     compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
     scale = 4 if DEVICE == "cuda" else 1
@@ -42,15 +43,10 @@ def test_lengths_options_and_head_dims_change_between_calls():
         _check(compiled, q, k, v, bm)
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param("dense", marks=pytest.mark.skipif(DEVICE != "cpu", reason="the dense path is the CPU one")),
-    "template",
-])
-def test_captured_float_that_changes_between_calls(path):
+@pytest.mark.workflow
+def test_captured_float_that_changes_between_calls():
     """After a recompile Dynamo passes a closed-over float (the soft-cap) as a 0-d
     tensor read with .item(); the kernels read the tensor instead, forward and backward."""
-    if path == "dense":
-        torch._inductor.config.cpu_backend = "cpp"  # undone by the fixture's config patch
     compiled = torch.compile(flexattn.flex_attention, fullgraph=True)
     L = 128 if DEVICE == "cuda" else 32
     bm = flexattn.create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=16)
@@ -66,6 +62,7 @@ def test_captured_float_that_changes_between_calls(path):
             torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.workflow
 def test_gradients_keep_their_batch_when_the_batch_becomes_symbolic():
     """A second batch size and head dim make Dynamo recompile with a symbolic batch for
     query and key/value each; the key/value gradients must not be summed over it (that
@@ -93,19 +90,13 @@ def _learned_bias_attention(bias):
     return attend
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param("dense", marks=pytest.mark.skipif(DEVICE != "cpu", reason="the dense path is the CPU one")),
-    "template",
-])
-def test_training_step_over_changing_lengths_with_a_learned_bias(path):
+@pytest.mark.workflow
+def test_training_step_over_changing_lengths_with_a_learned_bias():
     """A compiled step reused over lengths 64, 96, 128, its score_mod reading a learned
     bias as long as the sequence: Dynamo goes dynamic after the second length and lifts
     the bias's length (a SymInt) among the captured values, which the autograd operator
     must keep beside, not inside, its saved tensors. Output, lse and every gradient
-    (the bias's too) within the three-way bound at each step; the Triton path compiles
-    at most twice (the dense CPU path specialises every length)."""
-    if path == "dense":
-        torch._inductor.config.cpu_backend = "cpp"  # undone by the fixture's config patch
+    (the bias's too) within the three-way bound at each step; at most two compiles."""
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
 
     def step(q, k, v, bias):
@@ -124,7 +115,7 @@ def test_training_step_over_changing_lengths_with_a_learned_bias(path):
                                             (torch.float32, harness.copies((q, k, v)), harness.copies(bias))))
         harness.check_attention(test[:2], ref[:2], golden[:2], torch.float32, max_scores=False, prefix=f"S={S} ")
         harness.check_gradients(test[2], ref[2], golden[2], torch.float32)
-    assert counter.frame_count <= (3 if path == "dense" else 2), counter.frame_count
+    assert counter.frame_count <= 2, counter.frame_count
 
 
 def _packed_attention(table, doc_ids):
@@ -138,18 +129,13 @@ def _packed_attention(table, doc_ids):
     return attend, mask_mod
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param("dense", marks=pytest.mark.skipif(DEVICE != "cpu", reason="the dense path is the CPU one")),
-    "template",
-])
-def test_packed_document_training_loop(path, capsys):
+@pytest.mark.workflow
+def test_packed_document_training_loop(capsys, flexattn_kernels):
     """Packed-document training as users write it: each batch brings its own length and
     document boundaries (doc ids rebuilt, the block mask rebuilt from them outside the
     compiled step), a learned relative bias per head shared by all steps. Output, lse and
-    every gradient (the bias's too) within the three-way bound at every step; the Triton
-    path compiles at most twice. The recompile count is printed."""
-    if path == "dense":
-        torch._inductor.config.cpu_backend = "cpp"  # undone by the fixture's config patch
+    every gradient (the bias's too) within the three-way bound at every step; at most
+    two compiles. The recompile count is printed."""
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     H, max_len = 2, 160
     table = harness.randn(harness.generator(7), H, 2 * max_len - 1, device=DEVICE, requires_grad=True)
@@ -158,8 +144,7 @@ def test_packed_document_training_loop(path, capsys):
         return _packed_attention(table, doc_ids)[0](q, k, v, block_mask)
 
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    # The dense CPU path compiles every length (it specialises shapes): three are enough there.
-    lengths = (64, 96, 80) if path == "dense" else (64, 96, 128, 80, 160)
+    lengths = (64, 96, 128, 80, 160)
     for i, S in enumerate(lengths):
         gen = harness.generator(200 + i)
         cuts = torch.sort(torch.randperm(S - 1, generator=gen)[:3] + 1).values
@@ -184,5 +169,5 @@ def test_packed_document_training_loop(path, capsys):
         harness.check_attention(test[:2], ref[:2], golden[:2], torch.float32, max_scores=False, prefix=f"S={S} ")
         harness.check_gradients(test[2], ref[2], golden[2], torch.float32)
     with capsys.disabled():
-        print(f"\npacked-document training ({path}): {counter.frame_count} compiles over {len(lengths)} lengths")
-    assert counter.frame_count <= (len(lengths) if path == "dense" else 2), counter.frame_count
+        print(f"\npacked-document training ({flexattn_kernels}): {counter.frame_count} compiles over {len(lengths)} lengths")
+    assert counter.frame_count <= 2, counter.frame_count

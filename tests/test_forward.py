@@ -31,7 +31,7 @@ from conftest import DEVICE
 flexattn.lowering.register()
 
 
-pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+pytestmark = pytest.mark.usefixtures("flexattn_kernels")
 
 ON_CUDA, DTYPES, scaled = harness.ON_CUDA, harness.DTYPES, harness.scaled
 SLOW = os.environ.get("FLEXATTN_SLOW") == "1"

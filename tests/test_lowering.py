@@ -242,11 +242,12 @@ def test_max_autotune_benchmarks_several_configs(caplog):
 
 
 @pytest.mark.skipif(ON_CUDA, reason="the C++ CPU path")
-def test_cpu_without_triton_backend_uses_the_dense_path():
+def test_cpu_without_triton_backend_uses_the_cpu_engine():
     with torch._inductor.config.patch(cpu_backend="cpp"):
         code = compile_and_code(L=40, S=56, mask_mod=mods.causal_mask, score_mod=mods.alibi(2),
                                 dtype=torch.float32)
     assert KERNEL_MARK not in code
+    assert "flexattn.cpu_flash_forward" in code
 
 
 def test_register_is_idempotent():

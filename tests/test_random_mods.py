@@ -41,7 +41,7 @@ from flexattn.reference import apply_mask_mod, apply_score_mod, dense_math
 import _harness as harness
 from conftest import DEVICE
 
-pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+pytestmark = pytest.mark.usefixtures("flexattn_kernels")
 
 ON_CUDA = DEVICE == "cuda"
 NUM_DRAWS = int(os.environ.get("FLEXATTN_RANDOM_DRAWS", 300 if ON_CUDA else 24))

@@ -21,7 +21,7 @@ from flexattn.reference import dense_math
 import _harness as harness
 from conftest import DEVICE
 
-pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+pytestmark = pytest.mark.usefixtures("flexattn_kernels")
 
 ON_CUDA, DTYPES, scaled = harness.ON_CUDA, harness.DTYPES, harness.scaled
 
@@ -129,14 +129,13 @@ def test_decode_kernel(options):
     harness.check_attention((out, aux.lse, aux.max_scores), ref, golden, torch.float16)
 
 
-def test_cpu_dense_path():
-    """torch.compile with Inductor's C++ backend (the dense decomposition) and the eager
-    API give the reference's results and gradients."""
+def test_eager_and_compiled_calls():
+    """torch.compile and the eager API (on the CPU: of either kernel path) give the
+    reference's results and gradients."""
     gen = harness.generator(6)
-    q, k, v = harness.make_inputs(gen, B=1, Hq=2, L=20, S=28, E=8, dtype=torch.float32, device="cpu",
-                                  requires_grad=True)
-    sinks = harness.randn(gen, 2, device="cpu", requires_grad=True)
-    bm = create_block_mask(mods.causal_mask, None, None, 20, 28, device="cpu", BLOCK_SIZE=8)
+    q, k, v = harness.make_inputs(gen, B=1, Hq=2, L=20, S=28, E=8, dtype=torch.float32, requires_grad=True)
+    sinks = harness.randn(gen, 2, requires_grad=True)
+    bm = create_block_mask(mods.causal_mask, None, None, 20, 28, device=DEVICE, BLOCK_SIZE=16)
 
     def attend(q, k, v, sinks):
         out, aux = flexattn.flex_attention(q, k, v, block_mask=bm, sinks=sinks, return_aux=AuxRequest(lse=True))
@@ -144,12 +143,11 @@ def test_cpu_dense_path():
 
     golden = harness.attention_grads(
         lambda q, k, v, s: dense_math(q, k, v, _identity, bm.as_tuple(), 8 ** -0.5, (), (), s)[:2],
-        harness.copies((q, k, v, sinks), torch.float64), torch.ones(1, 2, 20, 8, dtype=torch.float64))
-    with torch._inductor.config.patch(cpu_backend="cpp"):
-        for fn in (torch.compile(attend, backend="inductor", fullgraph=True), attend):
-            test = harness.attention_grads(fn, harness.copies((q, k, v, sinks)), torch.ones(1, 2, 20, 8))
-            for t, g in zip((test[0], test[1], *test[2]), (golden[0], golden[1], *golden[2])):
-                torch.testing.assert_close(t.double(), g, atol=2e-5, rtol=2e-5)
+        harness.copies((q, k, v, sinks), torch.float64), torch.ones(1, 2, 20, 8, dtype=torch.float64, device=DEVICE))
+    for fn in (torch.compile(attend, backend="inductor", fullgraph=True), attend):
+        test = harness.attention_grads(fn, harness.copies((q, k, v, sinks)), torch.ones(1, 2, 20, 8, device=DEVICE))
+        for t, g in zip((test[0], test[1], *test[2]), (golden[0], golden[1], *golden[2])):
+            torch.testing.assert_close(t.double(), g, atol=2e-5, rtol=2e-5)
 
 
 def test_only_the_sinks_learn():
@@ -184,6 +182,7 @@ def test_bad_sinks_are_refused():
             flexattn.flex_attention(q, k, v, sinks=torch.zeros(4))
 
 
+@pytest.mark.workflow
 def test_training_steps_over_lengths_compile_at_most_twice():
     """A compiled step reused over sequence lengths with learned sinks (a Parameter shared
     by all steps): results within the three-way bound at every length, at most two

@@ -31,7 +31,7 @@ from flexattn import mods
 import _harness as harness
 from conftest import DEVICE
 
-pytestmark = pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+pytestmark = pytest.mark.usefixtures("flexattn_kernels")
 ON_CUDA = DEVICE == "cuda"
 
 # GPU: the 100-step run the backward issue asks for; CPU (Triton interpreter): a short
@@ -144,6 +144,7 @@ def _train(model, attention, batches, low_precision: bool, compile_step: bool) -
     return losses
 
 
+@pytest.mark.workflow
 def test_loss_curve_matches_dense_reference():
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -172,6 +173,7 @@ def test_loss_curve_matches_dense_reference():
         assert not torch.equal(block.bias, init_block.bias)
 
 
+@pytest.mark.workflow
 @pytest.mark.parametrize("policy", ["save_attention", "recompute_attention"])
 def test_selective_activation_checkpointing(policy):
     """torch.utils.checkpoint's selective checkpointing sees the operator as one op: saved

@@ -11,10 +11,10 @@ accumulator), skipping the tiles a causal mask rules out, run
 * ``tiled_step_compiled``: the loop in Python, each tile pair one call of one compiled
   step (tile offsets as 0-d tensors: one graph for every pair),
 
-beside torch's compiled flex_attention (its C++ CPU template), flexattn's current dense
-path and SDPA's CPU flash kernel, on the machine's CPU: median ms, peak extra memory of
-the scores (what the dense path allocates, what a tiled one must not), and the max
-difference from SDPA. Prints a table; the readings go to bench/DECISIONS.md.
+beside torch's compiled flex_attention (its C++ CPU template), flexattn's compiled call
+(when this probe was written, the dense decomposition; now the C++ engine it led to) and
+SDPA's CPU flash kernel, on the machine's CPU: median ms and the max difference from
+SDPA. Prints a table; the readings go to bench/DECISIONS.md.
 
     PYTHONPATH=. python bench/experiments/cpu_tiled_forward.py --lengths 1024,4096 --tile 128,256
 """
@@ -128,7 +128,7 @@ def main() -> None:
         impls = {
             "sdpa_flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
             "torch_flex": torch.compile(lambda: torch_flex.flex_attention(q, k, v, block_mask=bm_torch)),
-            "flexattn_dense": torch.compile(lambda: flexattn.flex_attention(q, k, v, block_mask=bm_ours)),
+            "flexattn": torch.compile(lambda: flexattn.flex_attention(q, k, v, block_mask=bm_ours)),
         }
         for t in (int(x) for x in args.tile.split(",")):
             impls[f"tiled_eager_{t}"] = lambda t=t: tiled_forward(q, k, v, scale, t, t, True)

@@ -77,10 +77,6 @@ backward_template = TritonTemplate(
 )
 
 
-def deterministic_requested(kernel_options: dict[str, Any]) -> bool:
-    return bool(_options.read(kernel_options, "DETERMINISTIC")) or torch.are_deterministic_algorithms_enabled()
-
-
 def use_dq_atomics(kernel_options: dict[str, Any], device: torch.device, dtype: torch.dtype) -> bool:
     """Whether dQ comes from the dK/dV programs through float32 atomics (DQ_ATOMIC)
     rather than from dQ programs that recompute the scores.
@@ -91,7 +87,7 @@ def use_dq_atomics(kernel_options: dict[str, Any], device: torch.device, dtype: 
     (gradcheck-grade sums want a fixed order).
     """
     requested = _options.read(kernel_options, "DQ_ATOMIC")
-    deterministic = deterministic_requested(kernel_options)
+    deterministic = common.deterministic_requested(kernel_options)
     if requested is None:
         return not deterministic and dtype != torch.float64 and backward_configs.dq_atomic_default(device, dtype)
     if bool(requested) and deterministic:
@@ -121,7 +117,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
 
     joint_gm = joint_graph.graph_module
     wants = buffers_with_grad(joint_gm, len(score_mod_buffers))
-    if any(wants) and deterministic_requested(kernel_options):
+    if any(wants) and common.deterministic_requested(kernel_options):
         raise DeterministicBufferGradError(
             "flexattn: deterministic mode (kernel_options DETERMINISTIC or "
             "torch.use_deterministic_algorithms) cannot give gradients to captured tensors: "

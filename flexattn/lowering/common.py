@@ -301,6 +301,10 @@ def compute_delta(out, grad_out, grad_logsumexp):
     return realize_fixed(delta)
 
 
+def deterministic_requested(kernel_options: dict[str, Any]) -> bool:
+    return bool(_options.read(kernel_options, "DETERMINISTIC")) or torch.are_deterministic_algorithms_enabled()
+
+
 # --------------------------------------------------------------------------------------
 # Specialisations
 # --------------------------------------------------------------------------------------

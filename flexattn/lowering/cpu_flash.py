@@ -14,9 +14,10 @@ Forward and backward are one extern call each, of the operators in ``cpu_kernels
    captured tensors the library reads and the symbolic sizes its indexing uses are
    operator inputs, so the same graph serves every shape.
 
-The backward's delta (rowsum(dO * O) - dlse) is an Inductor reduction before the call,
-as for the Triton kernel; the captured tensors' gradients come back as float32 (float64)
-accumulators and are cast to their tensors' dtypes after it.
+The engine computes the backward's delta (rowsum(dO * O) - dlse) itself, so a call's
+graph holds no Inductor kernel of its own to compile; the captured tensors' gradients
+come back as float32 (float64) accumulators and are cast to their tensors' dtypes after
+it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,30 @@ def _whole_buffer(name: str):
     if name in V.graph.graph_inputs:
         return V.graph.graph_inputs[name]
     return ir.TensorBox.create(V.graph.get_buffer(name))
+
+
+class _ConstantProbe:
+    """Ops handler that evaluates a loader made of one constant (anything else raises)."""
+
+    def constant(self, value, dtype):
+        return ("constant", value)
+
+    def __getattr__(self, name):
+        raise LookupError(name)
+
+
+def _zeros(node) -> bool:
+    """Whether ``node`` is a not yet realized fill of zeros (the lse gradient AOT autograd
+    makes when the lse is not used): passed as None, the graph needs no kernel for it."""
+    data = getattr(getattr(node, "data", None), "data", None)
+    if not isinstance(data, ir.Pointwise):
+        return False
+    try:
+        with V.set_ops_handler(_ConstantProbe()):
+            value = data.inner_fn([0] * len(data.ranges))
+    except Exception:  # noqa: BLE001 - any other op: not a constant fill
+        return False
+    return isinstance(value, tuple) and value[0] == "constant" and value[1] == 0
 
 
 def _same_dtype_kv(query, key, value):
@@ -119,7 +144,6 @@ def lower_cpu_backward(query, key, value, out, logsumexp, grad_out, grad_logsume
     Bkv = key.get_size()[0]
     call = common.prepare_call(query, key, value, fw_graph, block_mask, kernel_options, score_mod_buffers,
                                mask_mod_buffers)
-    delta = common.compute_delta(out, grad_out, grad_logsumexp)
     library, flags = _mods(call, dtype)
 
     joint_gm = joint_graph.graph_module
@@ -149,11 +173,12 @@ def lower_cpu_backward(query, key, value, out, logsumexp, grad_out, grad_logsume
 
     full_num, full_idx = _full_tables(call)
     seed = common.realize_fixed(dropout_seed) if dropout_seed is not None else None
-    plan = _plan_json(call, scale, kernel_options, flags, grad_ranks=[len(s) for s in grad_shapes])
+    plan = _plan_json(call, scale, kernel_options, flags, grad_ranks=[len(s) for s in grad_shapes],
+                      deterministic=common.deterministic_requested(kernel_options))
     grad_query, grad_key, grad_value, grads = fallback_handler(
         torch.ops.flexattn.cpu_flash_backward.default, add_to_fallback_set=False)(
-        call.query, call.key, call.value, common.realize_fixed(logsumexp), delta, common.realize_fixed(grad_out),
-        call.tables.kv_num_blocks, call.tables.kv_indices, full_num, full_idx, seed,
+        call.query, call.key, call.value, out, logsumexp, grad_out,
+        None if grad_logsumexp is None or _zeros(grad_logsumexp) else grad_logsumexp, call.tables.kv_num_blocks, call.tables.kv_indices, full_num, full_idx, seed,
         [_whole_buffer(n) for n in library.buffers], list(library.symbols),
         [s for shape in grad_shapes for s in shape], library.source() if library.exports else "", plan)
 
