@@ -5,7 +5,7 @@ A query tile never spans two sparse query blocks (each block has its own list of
 blocks), so it is the block's height, or an even split of it when the block is taller
 than ``MAX_Q_TILE``. A KV span merges consecutive listed blocks up to ``KV_TILE`` keys
 (one larger matrix product instead of several), and a KV block wider than that is
-walked ``KV_TILE`` keys at a time. Why these sizes: DECISIONS ``cpu-tiles``.
+walked ``KV_TILE`` keys at a time. Why these sizes: ``bench/DECISIONS.md#cpu-tiles``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ... import cpu_abi
 
-#: Rows of a query tile at most (DECISIONS ``cpu-tiles``).
+#: Rows of a query tile at most (bench/DECISIONS.md#cpu-tiles).
 MAX_Q_TILE = 256
 #: Keys of a KV span at most; also the longest row a mod function is called with.
 KV_TILE = cpu_abi.MAX_ROW

@@ -1,0 +1,148 @@
+"""Moving keys and values between ranks, and their gradients back, on torch.distributed.
+
+Keys and values travel packed as one tensor (B, Hkv, S, E + Ev).
+
+* ``RingExchange``: W steps; at step t rank r reads rank (r - t) mod W's keys, sent
+  directly by their owner (no relaying), so a pair of ranks whose blocks are all masked
+  exchanges nothing. Step t + 1's transfer is posted before step t is computed
+  (``batch_isend_irecv``: NCCL runs it on its own stream, overlapping the kernels).
+  Gradients go back the same way, and each step's are received before the next step
+  starts, so at most two steps' buffers are alive.
+* ``AllGather``: one all-gather of every rank's keys and values (W times the local
+  memory; one collective) for one call, differentiable (a reduce-scatter of the
+  gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .local import LocalCall, LocalMasks
+
+
+def _peer(group, rank: int) -> int:
+    """A group rank as the global rank P2P operations take."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _start(ops: list) -> list:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingExchange:
+    def __init__(self, masks: LocalMasks, rank: int, group) -> None:
+        self.masks, self.rank, self.group = masks, rank, group
+        self.world = masks.plan.world_size
+        self._dkv: Tensor | None = None
+        self._pending_grads: list = []
+
+    def _sources(self, step: int) -> tuple[int, int]:
+        """(rank whose keys this rank reads at ``step``, rank that reads this rank's)."""
+        return (self.rank - step) % self.world, (self.rank + step) % self.world
+
+    def _post_keys(self, step: int, kv: Tensor, into: dict[int, Tensor] | None) -> tuple[Tensor | None, list]:
+        src, dst = self._sources(step)
+        ops, buffer = [], None
+        if self.masks.needed[self.rank][src]:
+            if into is not None and step in into:
+                buffer = into[step]
+                buffer.untyped_storage().resize_(kv.numel() * kv.element_size())
+            else:
+                buffer = torch.empty_like(kv)
+            ops.append(dist.P2POp(dist.irecv, buffer, _peer(self.group, src), self.group, tag=step))
+        if self.masks.needed[dst][self.rank]:
+            ops.append(dist.P2POp(dist.isend, kv, _peer(self.group, dst), self.group, tag=step))
+        return buffer, _start(ops)
+
+    def calls(self, kv: Tensor, backward: bool = False, into: dict[int, Tensor] | None = None
+              ) -> Iterator[tuple[int, LocalCall, Tensor]]:
+        """(step, call, keys and values) of this rank in step order; ``kv`` must be
+        contiguous. ``into``: per step, the buffer to receive into (the forward's, its
+        storage released in between), else new ones. In the backward every step,
+        skipped or not, also receives the gradient of this rank's keys from the rank
+        that read them then (``give_back`` sends; a skipped step only receives)."""
+        self._dkv, self._pending_grads = None, []
+        pending = self._post_keys(1, kv, into) if self.world > 1 else None
+        if self.masks.needed[self.rank][self.rank]:
+            yield 0, self.masks.ring_call(self.rank, self.rank), kv
+        for step in range(1, self.world):
+            buffer, works = pending
+            if step + 1 < self.world:
+                pending = self._post_keys(step + 1, kv, into)
+            _wait(works)
+            if buffer is not None:
+                yield step, self.masks.ring_call(self.rank, self._sources(step)[0]), buffer
+            elif backward:
+                self._post_grads(step, None, kv)
+
+    def _add(self, dkv: Tensor) -> None:
+        self._dkv = dkv.float() if self._dkv is None else self._dkv.add_(dkv)
+
+    def give_back(self, call: LocalCall, dkv: Tensor) -> None:
+        """Send the gradient of the keys ``call`` read to their owner (this rank's own
+        are kept)."""
+        src = call.kv_ranks[0]
+        if src == self.rank:
+            self._add(dkv)
+        else:
+            self._post_grads((self.rank - src) % self.world, dkv, dkv)
+
+    def _post_grads(self, step: int, dkv: Tensor | None, like: Tensor) -> None:
+        """Step ``step``'s gradient exchange, after the previous one has landed."""
+        self._finish_grads()
+        src, dst = self._sources(step)
+        ops, buffer = [], None
+        if dkv is not None:
+            dkv = dkv.contiguous()
+            ops.append(dist.P2POp(dist.isend, dkv, _peer(self.group, src), self.group, tag=self.world + step))
+        if self.masks.needed[dst][self.rank]:
+            buffer = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, _peer(self.group, dst), self.group, tag=self.world + step))
+        self._pending_grads = [(buffer, _start(ops), dkv)]
+
+    def _finish_grads(self) -> None:
+        for buffer, works, _ in self._pending_grads:
+            _wait(works)
+            if buffer is not None:
+                self._add(buffer)
+        self._pending_grads = []
+
+    def collect(self, kv: Tensor) -> Tensor:
+        """This rank's key/value gradient (float32), once every step has been given back."""
+        self._finish_grads()
+        return torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if self._dkv is None else self._dkv
+
+
+class AllGather(torch.autograd.Function):
+    """Every rank's packed keys and values, concatenated in rank order along the
+    sequence (dim 2); the backward sums each rank's gradient over the group and keeps
+    this rank's part (a reduce-scatter on NCCL; gloo has none, so an all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, kv: Tensor, group, world: int, rank: int) -> Tensor:
+        ctx.group, ctx.world, ctx.rank = group, world, rank
+        parts = [torch.empty_like(kv) for _ in range(world)]
+        dist.all_gather(parts, kv.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, dkv: Tensor):
+        local = dkv.shape[2] // ctx.world
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            parts = [part.contiguous() for part in dkv.split(local, dim=2)]
+            mine = torch.empty_like(parts[0])
+            dist.reduce_scatter(mine, parts, group=ctx.group)
+        else:
+            total = dkv.contiguous()
+            dist.all_reduce(total, group=ctx.group)
+            mine = total.narrow(2, ctx.rank * local, local)
+        return mine, None, None, None

@@ -1,0 +1,56 @@
+"""Merging partial attention results by their log-sum-exps, and the merge's gradient.
+
+A call over a subset of the keys gives (o_s, lse_s): its rows normalised over that
+subset. Over all subsets, lse = logsumexp_s lse_s and out = sum_s w_s o_s with weights
+w_s = exp(lse_s - lse). Rows no subset reaches keep lse = -inf and out = 0 (w_s = 0, not
+NaN). On a GPU each function is compiled (Inductor fuses it into one kernel); the CPU
+runs the few ATen ops it is made of.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+
+def _weights(lse_s: Tensor, lse: Tensor) -> Tensor:
+    """exp(lse_s - lse), 0 where the merged row is empty (lse = -inf)."""
+    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(lse_s - finite)
+
+
+def _merge(out: Tensor, lse: Tensor, out_s: Tensor, lse_s: Tensor) -> tuple[Tensor, Tensor]:
+    merged = torch.logaddexp(lse, lse_s.to(lse.dtype))
+    out = out * _weights(lse, merged).unsqueeze(-1) + out_s.to(out.dtype) * _weights(lse_s, merged).unsqueeze(-1)
+    return out, merged
+
+
+def _partial_grads(dout: Tensor, dlse: Tensor, out: Tensor, lse: Tensor, out_s: Tensor, lse_s: Tensor
+                   ) -> tuple[Tensor, Tensor]:
+    """The loss's gradient at (out_s, lse_s): w_s dout, and w_s (dout . (out_s - out) + dlse)."""
+    w = _weights(lse_s.to(lse.dtype), lse)
+    d_out_s = dout.float() * w.unsqueeze(-1)
+    d_lse_s = w * ((dout.float() * (out_s.float() - out.float())).sum(-1) + dlse.float())
+    return d_out_s.to(out_s.dtype), d_lse_s.to(lse_s.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def _run(fn, device: torch.device):
+    return _compiled(fn) if device.type == "cuda" else fn
+
+
+def merge(out: Tensor, lse: Tensor, out_s: Tensor, lse_s: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) merged with one more partial (out_s, lse_s); out is float32."""
+    return _run(_merge, out.device)(out, lse, out_s, lse_s)
+
+
+def partial_grads(dout: Tensor, dlse: Tensor, out: Tensor, lse: Tensor, out_s: Tensor, lse_s: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+    """Gradients at one partial result given the merged result's."""
+    return _run(_partial_grads, out.device)(dout, dlse, out, lse, out_s, lse_s)
