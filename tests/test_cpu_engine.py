@@ -104,11 +104,28 @@ def test_dtypes_at_length(dtype):
     _three_way(lambda: mods.tanh_softcap(20.0), bm, q, k, v, dtype=dtype)
 
 
+@pytest.mark.parametrize("mask_name", ["parity", "documents"])
+def test_query_blocks_with_the_same_lists_share_a_tile(mask_name):
+    """Consecutive query blocks whose KV lists are the same run as one taller forward
+    tile: partial blocks (parity: every block partial, the mask depending on the row)
+    and full ones (documents of 96 rows, six 16-row blocks each), with odd lengths."""
+    L = 200
+    if mask_name == "parity":
+        mask_mod = lambda b, h, q_idx, kv_idx: (q_idx % 2) == (kv_idx % 2)  # noqa: E731
+    else:
+        mask_mod = mods.document_mask(torch.arange(L) // 96)
+    gen = harness.generator(5)
+    q, k, v = harness.make_inputs(gen, B=1, Hq=2, L=L, S=L, E=16, dtype=torch.float32, requires_grad=True)
+    bm = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+    _three_way(lambda: mods.alibi(2), bm, q, k, v)
+
+
 def test_plan():
     plan = cpu_configs.plan
     inputs = cpu_configs.CpuPlanInputs
-    assert plan(inputs(128, 128)) == cpu_configs.CpuPlan(q_tile=128, kv_tile=512)
-    assert plan(inputs(16, 16)) == cpu_configs.CpuPlan(q_tile=16, kv_tile=512)
+    assert plan(inputs(128, 128)) == cpu_configs.CpuPlan(q_tile=256, kv_tile=512)
+    assert plan(inputs(16, 16)) == cpu_configs.CpuPlan(q_tile=256, kv_tile=512)
+    assert plan(inputs(100, 64)) == cpu_configs.CpuPlan(q_tile=200, kv_tile=512)
     assert plan(inputs(512, 96)) == cpu_configs.CpuPlan(q_tile=256, kv_tile=480)
     assert plan(inputs(300, 1024)) == cpu_configs.CpuPlan(q_tile=150, kv_tile=512)
 

@@ -1,9 +1,10 @@
 """The tiling of the CPU engine (``templates/cpu_flash.cpp.jinja``): a pure function
 from a call's frozen inputs to its plan.
 
-A query tile never spans two sparse query blocks (each block has its own list of KV
-blocks), so it is the block's height, or an even split of it when the block is taller
-than ``MAX_Q_TILE``. A KV span merges consecutive listed blocks up to ``KV_TILE`` keys
+A query tile is at most ``MAX_Q_TILE`` rows: an even split of a sparse query block
+taller than that, else the block, or in the forward several consecutive blocks whose KV
+lists are the same (``q_tile``: the most whole blocks that fit; the backward's tiles
+stay within one block). A KV span merges consecutive listed blocks up to ``KV_TILE`` keys
 (one larger matrix product instead of several), and a KV block wider than that is
 walked ``KV_TILE`` keys at a time. Why these sizes: ``bench/DECISIONS.md#cpu-tiles``.
 """
@@ -34,8 +35,11 @@ class CpuPlan:
 
 
 def plan(inputs: CpuPlanInputs) -> CpuPlan:
-    tiles_per_block = math.ceil(inputs.q_block / MAX_Q_TILE)
-    q_tile = math.ceil(inputs.q_block / tiles_per_block)
+    if inputs.q_block <= MAX_Q_TILE:
+        q_tile = (MAX_Q_TILE // inputs.q_block) * inputs.q_block
+    else:
+        tiles_per_block = math.ceil(inputs.q_block / MAX_Q_TILE)
+        q_tile = math.ceil(inputs.q_block / tiles_per_block)
     if inputs.kv_block >= KV_TILE:
         kv_tile = KV_TILE
     else:
