@@ -113,6 +113,7 @@ def test_compile_one_frame_several_calls(backend):
 
 
 def test_captured_parameter_gets_gradient_under_compile():
+    torch.manual_seed(0)
     B, H, L, E = 1, 2, 24, 8
     q, k, v = _qkv(B, H, L, L, E, requires_grad=True)
     slopes = torch.nn.Parameter(torch.rand(H))
@@ -124,7 +125,9 @@ def test_captured_parameter_gets_gradient_under_compile():
     out.sum().backward()
     assert slopes.grad is not None and slopes.grad.abs().sum() > 0
     expected = torch.autograd.grad(model(q, k, v).sum(), [slopes])[0]
-    torch.testing.assert_close(slopes.grad, expected, atol=1e-5, rtol=1e-5)
+    # aot_eager runs the reference; the eager call runs the kernels, whose float32 sum of
+    # the slope's L*S contributions goes in another order.
+    torch.testing.assert_close(slopes.grad, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_mutating_score_mod_is_rejected():

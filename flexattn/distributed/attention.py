@@ -131,9 +131,10 @@ class _Ring(torch.autograd.Function):
             out, lse = merge.merge(out, lse, out_s.detach(), lse_s.detach())
             steps.append((step, kv_leaf, out_s, lse_s))
             if step:
+                # Safe while the kernels may still read it: the allocator reuses the
+                # memory in stream order, and a receive into it waits for this stream.
                 buffers[step] = raw
-        for raw in buffers.values():
-            _release(raw)
+                _release(raw)
         out = out.to(q.dtype)
         ctx.setup, ctx.steps, ctx.buffers, ctx.q_leaf = setup, steps, buffers, q_leaf
         ctx.save_for_backward(out, lse, kv, *captured)
@@ -158,10 +159,12 @@ class _Ring(torch.autograd.Function):
             if grads[0] is not None:
                 dq += grads[0]
             setup.exchange.give_back(call, torch.zeros_like(kv_leaf) if grads[1] is None else grads[1])
+            if step:
+                _release(ctx.buffers[step])
             for i, grad in enumerate(grads[2:]):
                 if grad is not None:
                     dcaptured[i] = grad if dcaptured[i] is None else dcaptured[i] + grad
-        ctx.steps = ctx.buffers = None  # the received keys' memory goes with them
+        ctx.steps = ctx.buffers = None
         dkv = setup.exchange.collect(kv)
         dk, dv = _split(dkv, setup.head_dim)
         grad_of = iter(dcaptured)
