@@ -348,6 +348,7 @@ def test_narrow_index_rows():
     run_case(dtype=torch.float16, L=n, S=n, block_mask=narrow)
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("options", [
     {"bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 16},
     {"bwd_num_warps": 2, "bwd_num_stages": 1, "BLOCK_M1": 16},
@@ -371,6 +372,7 @@ LOOP_AND_TMA_OPTIONS = [{"ONE_KV_LOOP": True}, {"USE_TMA": True}, {"ONE_KV_LOOP"
 LOOP_AND_TMA_CASES = [(o, 64, 64, 32, 2, 2) for o in LOOP_AND_TMA_OPTIONS] + [(LOOP_AND_TMA_OPTIONS[2], 77, 130, 40, 4, 2)]
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("options,L,S,E,Hq,Hkv", LOOP_AND_TMA_CASES,
                          ids=lambda x: ",".join(x) if isinstance(x, dict) else str(x))
 def test_one_loop_and_tma(options, L, S, E, Hq, Hkv):
@@ -382,6 +384,7 @@ def test_one_loop_and_tma(options, L, S, E, Hq, Hkv):
              block_size=scaled(32, 128), use_lse=True)
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("options", LOOP_AND_TMA_OPTIONS, ids=lambda o: ",".join(o))
 def test_one_loop_and_tma_without_full_blocks(options):
     n = scaled(64, 1000)
@@ -389,6 +392,7 @@ def test_one_loop_and_tma_without_full_blocks(options):
              options=options)
 
 
+@pytest.mark.triton_kernels
 def test_one_loop_with_captured_mask_tensor():
     """A document mask reading a captured tensor under the one loop's branch."""
     n = scaled(96, 1100)
@@ -513,6 +517,7 @@ DQ_ATOMIC_CASES = {
 }
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if ON_CUDA else []), ids=str)
 @pytest.mark.parametrize("case", sorted(DQ_ATOMIC_CASES))
 @pytest.mark.parametrize("use_tma", [False, True], ids=lambda t: f"USE_TMA={t}")

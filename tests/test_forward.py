@@ -266,6 +266,7 @@ def test_kernel_options(options):
              mask_mod=mods.causal_mask, options=options)
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("use_tma", [True, False], ids=lambda t: f"USE_TMA={t}")
 @pytest.mark.parametrize("L,S,E,Ev,Hq,Hkv", [(100, 77, 40, 24, 4, 2), (33, 130, 64, 64, 2, 1)], ids=str)
 def test_tma_loads_at_the_edges(use_tma, L, S, E, Ev, Hq, Hkv):
