@@ -175,10 +175,10 @@ PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
 #: Rounds per draw: 7, FlashAttention-2's choice; Philox-4x32-7 already passes BigCrush
 #: (the paper's "crush-resistant" count; 10 is its safety margin).
 PHILOX_ROUNDS = 7
-#: Keep decisions per Philox draw: its four 32-bit words split into eight 16-bit halves,
-#: one per key of a group of eight consecutive keys (a draw per entry would cost the
-#: kernels more integer work than their matrix products).
-KEYS_PER_DRAW = 8
+# Keep decisions per Philox draw: eight, its four 32-bit words split into 16-bit halves
+# (a draw per entry would cost the kernels more integer work than their matrix products).
+# A draw covers the entries (q + 8r, k + 8j + e), r, j, e in {0, 1}, which one GPU thread
+# holds of a matrix-product tile (dropout_draw_slots; bench/DECISIONS.md#dropout-draw-layout).
 _MASK32 = 0xFFFFFFFF
 
 
@@ -231,25 +231,35 @@ def philox_4x32(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k1: 
     return c0, c1, c2, c3
 
 
+def dropout_draw_slots(L: int, S: int, device=None) -> tuple[Tensor, Tensor, Tensor]:
+    """Where entry (i, j) of an L x S score matrix takes its random value: the Philox
+    counter words (c0, c1) of its draw and its slot 0-7 in the draw (word slot // 2, low
+    half for even slots). With i = 16 qb + 8 r + u and j = 16 kb + 8 jj + 2 t + e:
+    c0 = 4 kb + t, c1 = 8 qb + u, slot = 4 r + 2 jj + e."""
+    i = torch.arange(L, dtype=torch.int64, device=device).view(L, 1)
+    j = torch.arange(S, dtype=torch.int64, device=device).view(1, S)
+    c0 = (j // 16) * 4 + (j // 2) % 4
+    c1 = (i // 16) * 8 + i % 8
+    slot = ((i // 8) % 2) * 4 + ((j // 8) % 2) * 2 + j % 2
+    return c0, c1, slot
+
+
 def dropout_keep(seed: Tensor, p: float, B: int, H: int, L: int, S: int) -> Tensor:
     """The keep mask (B, H, L, S) of a call with dropout ``p`` and ``seed``, exactly as the
-    kernels draw it: entry (b, h, i, j) takes half j % 8 of the Philox-4x32 draw with
-    counter (j // 8, i, b * H + h, stream) and key seed (its low and high words), the
-    halves in the order low(w0), high(w0), low(w1), ..., high(w3); it is kept when that
-    16-bit value is at least ``dropout_threshold(p)``. Positions are the kernel's (for a
-    paged cache, positions in the page pool)."""
+    kernels draw it: entry (b, h, i, j) takes the 16-bit half ``slot % 2`` (low first) of
+    word ``slot // 2`` of the Philox-4x32 draw with counter (c0, c1, b * H + h, stream)
+    and key seed (its low and high words), (c0, c1, slot) as ``dropout_draw_slots`` says;
+    it is kept when that value is at least ``dropout_threshold(p)``. Positions are the
+    kernel's (for a paged cache, positions in the page pool)."""
     seed = seed.to(torch.int64)
     key, stream = seed[0], seed[1]
     k0, k1 = key & _MASK32, (key >> 32) & _MASK32
-    groups = -(-S // KEYS_PER_DRAW)
     dev = seed.device
-    c0 = torch.arange(groups, dtype=torch.int64, device=dev).view(1, 1, groups)
-    c1 = torch.arange(L, dtype=torch.int64, device=dev).view(1, L, 1)
+    c0, c1, slot = dropout_draw_slots(L, S, dev)
     c2 = torch.arange(B * H, dtype=torch.int64, device=dev).view(B * H, 1, 1)
-    c3 = stream & _MASK32
-    words = philox_4x32(c0, c1, c2, c3, k0, k1)
-    halves = [w for word in words for w in (word & 0xFFFF, word >> 16)]
-    values = torch.stack(halves, dim=-1).reshape(B * H, L, groups * KEYS_PER_DRAW)[..., :S]
+    words = torch.stack(philox_4x32(c0 + 0 * c1, c1 + 0 * c0, c2, stream & _MASK32, k0, k1), dim=-1)
+    word = torch.gather(words, -1, (slot // 2).expand(B * H, L, S).unsqueeze(-1)).squeeze(-1)
+    values = torch.where(slot % 2 == 0, word & 0xFFFF, word >> 16)
     return (values >= dropout_threshold(p)).view(B, H, L, S)
 
 
