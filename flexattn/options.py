@@ -119,8 +119,9 @@ OPTIONS: tuple[KernelOption, ...] = (
                  default_doc="on for 16-bit inputs on sm90+ where it measured faster: forward every head dim, "
                              "backward D 65-128, never decode ([decisions](../bench/DECISIONS.md#tma-tma-defaults))"),
     KernelOption("REVERSED_Q_TILES", "tristate", PER_CALL, ("forward", "backward"),
-                 "start each head's query tiles from the last one, so the longest rows of causal-like masks "
-                 "start first (no numerical effect)",
+                 "start the query tiles from the last one (the forward: every head's last tile before any "
+                 "head's second-to-last; the backward's dQ programs: within each head), so the longest rows "
+                 "of causal-like masks start first (no numerical effect)",
                  default_doc="backward on, forward off "
                              "([decisions](../bench/DECISIONS.md#forward-reversed-q-tiles-default))"),
     KernelOption("BACKEND", "str", "AUTO", ("forward", "decode"),

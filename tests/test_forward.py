@@ -267,6 +267,16 @@ def test_kernel_options(options):
 
 
 @pytest.mark.triton_kernels
+def test_longest_tiles_first_covers_every_program_once():
+    """REVERSED_Q_TILES maps the launch index to (tile, batch, head) with the tile slowest:
+    with 3 batches, 5 heads (odd, unequal) and a head-dependent score_mod, every tile of
+    every head is computed once and lands in its place."""
+    n = scaled(70, 300)
+    run_case(dtype=torch.float16, B=3, Hq=5, L=n, S=n, score_mod=mods.alibi(5, device=DEVICE),
+             mask_mod=mods.causal_mask, block_size=32, options={"REVERSED_Q_TILES": True, "BLOCK_M": 32})
+
+
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("use_tma", [True, False], ids=lambda t: f"USE_TMA={t}")
 @pytest.mark.parametrize("L,S,E,Ev,Hq,Hkv", [(100, 77, 40, 24, 4, 2), (33, 130, 64, 64, 2, 1)], ids=str)
 def test_tma_loads_at_the_edges(use_tma, L, S, E, Ev, Hq, Hkv):

@@ -287,6 +287,20 @@ def test_one_kv_loop_choice(monkeypatch):
     assert cfgs.shared_memory_estimate(cfg, 64, 64, 8) - 4 * cfgs.shared_memory_estimate(cfg, 64, 64, 2) == 8 * 64 * 64
 
 
+def test_gpu_model_tables_override_their_generation(monkeypatch):
+    """An H100 reads the sm90-h100 entries where there are some, the sm90 table for the
+    rest; any other sm90 GPU reads the sm90 table."""
+    monkeypatch.setattr(config_base, "gpu_generation", lambda device: "sm90")
+    dev = torch.device("cpu")
+    monkeypatch.setattr(config_base, "gpu_model", lambda device: "h100")
+    assert cfgs.default_config(dev, 64, torch.bfloat16) == cfgs.SM90_H100[(64, "16bit")]
+    assert cfgs.default_config(dev, 128, torch.bfloat16) == cfgs.SM90[(128, "16bit")]
+    monkeypatch.setattr(config_base, "gpu_model", lambda device: "h200")
+    assert cfgs.default_config(dev, 64, torch.bfloat16) == cfgs.SM90[(64, "16bit")]
+    monkeypatch.setattr(config_base, "gpu_model", lambda device: None)
+    assert cfgs.default_config(dev, 64, torch.bfloat16) == cfgs.SM90[(64, "16bit")]
+
+
 def test_config_filter():
     big = cfgs.ForwardConfig(128, 128, 8, 4)
     usable = cfgs.usable_configs([big, cfgs.ForwardConfig(64, 32, 4, 2)], {}, sparse_q=128, sparse_kv=128,

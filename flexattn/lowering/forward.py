@@ -29,11 +29,11 @@ TEMPLATE_NAME = "flexattn_forward"
 def forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv):
     """Launch grid of the forward kernel, from ``call_sizes`` = the query's size.
 
-    program_id(0) covers query rows [t * BLOCK_M, (t + 1) * BLOCK_M) of tile t = pid0,
-    or t = cdiv(q_len, BLOCK_M) - 1 - pid0 with REVERSED_Q_TILES (the last tile may run
-    past Q_LEN and is masked); program_id(1) the batch index;
-    program_id(2) the query head. Each program walks every KV block the BlockMask lists
-    for its rows.
+    program_id(0) covers query rows [t * BLOCK_M, (t + 1) * BLOCK_M) of tile t = pid0
+    (the last tile may run past Q_LEN and is masked); program_id(1) the batch index;
+    program_id(2) the query head. With REVERSED_Q_TILES the kernel maps its linear launch
+    index to (tile, batch, head) with the tile slowest, from the last tile down. Each
+    program walks every KV block the BlockMask lists for its rows.
     """
     return (cdiv(q_len, meta["BLOCK_M"]), batch, q_heads)
 

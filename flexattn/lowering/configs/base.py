@@ -5,7 +5,8 @@ BlockMask's blocks and to shared memory.
 A kernel's configuration is a frozen dataclass deriving from ``TileConfig``; its
 ``OPTION_NAMES`` map each field to the kernel_options key that pins it (registered in
 ``flexattn.options``). A kernel's tables map (padded head-dim bucket, dtype width) to its
-default, one table per GPU generation (``generation_table``).
+default, one table per GPU generation, and per GPU model where one measured differently
+(``generation_table``: a model's table holds only the entries that differ).
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ def gpu_generation(device: torch.device) -> str:
     return "generic"
 
 
+def gpu_model(device: torch.device) -> str | None:
+    """The GPU model whose own table entries override its generation's: "h100" or
+    "h200" (same sm90 generation, different memory bandwidth), else None."""
+    if device.type != "cuda" or torch.version.hip:
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    return next((model.lower() for model in ("H100", "H200") if model in name), None)
+
+
 def head_dim_bucket(padded_head_dim: int) -> int:
     return 64 if padded_head_dim <= 64 else 128 if padded_head_dim <= 128 else 256
 
@@ -88,9 +98,12 @@ def dtype_width(dtype: torch.dtype) -> str:
 
 def generation_table(tables: dict[str, dict[tuple[int, str], Any]], device: torch.device, padded_head_dim: int,
                      dtype: torch.dtype):
-    """A kernel's default configuration for a call: its generation's table, at the
-    head-dim bucket and dtype width."""
-    return tables[gpu_generation(device)][(head_dim_bucket(padded_head_dim), dtype_width(dtype))]
+    """A kernel's default configuration for a call: its GPU model's table (``"sm90-h100"``)
+    where that has the entry, else its generation's, at the head-dim bucket and dtype
+    width."""
+    generation, key = gpu_generation(device), (head_dim_bucket(padded_head_dim), dtype_width(dtype))
+    model = tables.get(f"{generation}-{gpu_model(device)}", {})
+    return model[key] if key in model else tables[generation][key]
 
 
 def shared_memory_limit(device: torch.device) -> int | None:

@@ -65,7 +65,12 @@ GENERIC: dict[tuple[int, str], ForwardConfig] = {
     (128, "fp32"): ForwardConfig(64, 32, 4, 2),
     (256, "fp32"): ForwardConfig(32, 32, 4, 2),
 }
-TABLES = {"sm90": SM90, "sm80": SM80, "generic": GENERIC}
+# H100s (3.35 TB/s against the H200's 4.8) differ where measured: D=64 16-bit takes
+# 64 x 128 tiles, two stages (bench/DECISIONS.md#forward-defaults-h100).
+SM90_H100: dict[tuple[int, str], ForwardConfig] = {
+    (64, "16bit"): ForwardConfig(64, 128, 4, 2),
+}
+TABLES = {"sm90": SM90, "sm90-h100": SM90_H100, "sm80": SM80, "generic": GENERIC}
 
 #: Extra candidates benchmarked under max_autotune (after fitting).
 AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
