@@ -18,6 +18,7 @@ and the markdown table beside them, and prints the table last.
 
     python bench/bench_attention.py                         # full suite, fwd and fwdbwd
     python bench/bench_attention.py --quick                 # S=4096 subset, fwd, < 3 min
+    python bench/bench_attention.py --suite short           # S<=4096 causal/ALiBi/document, D=64 and 128
     python bench/bench_attention.py --cases causal_s8192_d128 --mode fwdbwd
     python bench/bench_attention.py --dry-run               # CPU, tiny shapes, seconds
     python bench/bench_attention.py --merge a.json b.json   # one result file from parts
@@ -167,6 +168,18 @@ def quick_suite() -> list[Case]:
         Case("causal_softcap30_s4096_d128", 4, 16, 16, 4096, 128, score_mod=_softcap_30, mask_mod=_causal),
         Case("document8_s4096_d128", 4, 16, 16, 4096, 128, mask_mod=_document_8),
     ]
+
+
+def short_suite() -> list[Case]:
+    """Short sequences (issue #26): causal, causal + ALiBi and document (8 docs) masks at
+    S = 1024, 2048, 4096 and D = 64, 128, bf16 B=4 H=16."""
+    variants = (("causal", None, _causal, True), ("causal_alibi", _alibi, _causal, None),
+                ("document8", None, _document_8, None))
+    return [Case(f"{name}_s{S}_d{D}", 4, 16, 16, S, D, score_mod=score, mask_mod=mask, sdpa_causal=sdpa)
+            for S in (1024, 2048, 4096) for D in (64, 128) for name, score, mask, sdpa in variants]
+
+
+SUITES = {"full": full_suite, "short": short_suite, "all": lambda: full_suite() + short_suite()}
 
 
 def shrink(case: Case) -> Case:
@@ -671,6 +684,8 @@ def _print_report(report: dict[str, Any], json_path: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="S=4096 subset, fwd by default, shorter timing")
+    parser.add_argument("--suite", choices=tuple(SUITES), default="full",
+                        help="full: the anchor cases; short: S<=4096 causal/ALiBi/document at D=64, 128; all: both")
     parser.add_argument("--cases", help="comma-separated case names (default: the whole suite)")
     parser.add_argument("--mode", help="fwd, fwdbwd or fwd,fwdbwd (default fwd,fwdbwd; fwd with --quick)")
     parser.add_argument("--out", type=Path, help="results folder (default bench/results; dry run: bench/results/dry-run)")
@@ -693,9 +708,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def select_cases(args: argparse.Namespace) -> list[Case]:
     """The suite (quick or full), filtered by --cases, shrunk for the dry run."""
-    suite = quick_suite() if args.quick else full_suite()
+    suite = quick_suite() if args.quick else SUITES[args.suite]()
     if args.cases:
-        known = {c.name: c for c in full_suite() + quick_suite()}
+        known = {c.name: c for c in full_suite() + short_suite() + quick_suite()}
         wanted = [name.strip() for name in args.cases.split(",") if name.strip()]
         unknown = [name for name in wanted if name not in known]
         if unknown:

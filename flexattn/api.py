@@ -426,7 +426,9 @@ def flex_attention(
     elif not isinstance(scale, (int, float)):
         raise TypeError(f"flexattn: scale must be a float or None, got {type(scale).__name__}")
 
-    options = _options.with_defaults(_options.validate(kernel_options))
+    # Only the keys given: the lowering reads each default from the registry, so a compiled
+    # call does not guard on every registry entry.
+    options = _options.validate(kernel_options)
     if options.get("FAST_TANH"):
         from .lowering.subgraph import use_fast_tanh
         use_fast_tanh(options, query.dtype, query.device)  # raises where it cannot be had
@@ -438,7 +440,7 @@ def flex_attention(
     if "OUTPUT_LOGSUMEXP" not in (kernel_options or {}):
         # A backward's own need for the lse is the autograd operator's to add.
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse)
-    options["OUTPUT_MAX"] = bool(options["OUTPUT_MAX"] or want_max)
+    options["OUTPUT_MAX"] = bool(_options.read(options, "OUTPUT_MAX") or want_max)
     options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION,
                                              **({"DROPOUT_P": dropout_p} if dropout_p else {})))
     if return_aux is not None and return_aux.probabilities:

@@ -858,7 +858,10 @@ class BlockMask:
         Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)``; with ``flatten=False`` the lengths and
         block sizes stay as pairs.
         """
-        tensors = tuple(getattr(self, name) for name in self._TENSOR_FIELDS)
+        # _TENSOR_FIELDS' order, spelled out: iterating it would add a compiled call's
+        # guards on each of its entries.
+        tensors = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+                   self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)
         if flatten:
             return (*self.seq_lengths, *tensors, *self.BLOCK_SIZE, self.mask_mod)
         return (self.seq_lengths, *tensors, self.BLOCK_SIZE, self.mask_mod)

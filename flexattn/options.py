@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, TypedDict
 
+import torch
+
 #: Kernels that read options (the ``readers`` of an entry).
 KERNELS = ("forward", "backward", "decode")
 
@@ -215,17 +217,12 @@ def _check_backend(kernel_options: dict[str, Any]) -> None:
                          "each other; pass one of them")
 
 
-def with_defaults(kernel_options: dict[str, Any]) -> dict[str, Any]:
-    """``kernel_options`` with every public key that has a fixed default filled in."""
-    filled = {opt.name: opt.default for opt in OPTIONS if opt.public and opt.default is not PER_CALL}
-    filled.update(kernel_options)
-    return filled
-
-
 def internal_options(**values: Any) -> dict[str, Any]:
-    """The internal entries as the operator carries them: ``{INTERNAL_KEY: {...}}``."""
-    for name, value in values.items():
-        _entry(name, public=False).check(value)
+    """The internal entries as the operator carries them: ``{INTERNAL_KEY: {...}}``
+    (checked in eager calls; a compiled call would guard on each registry entry read)."""
+    if not torch.compiler.is_compiling():
+        for name, value in values.items():
+            _entry(name, public=False).check(value)
     return {INTERNAL_KEY: dict(values)}
 
 

@@ -480,7 +480,7 @@ def test_backward_tma_and_one_loop_choice(E):
     """USE_TMA follows configs.tma.TMA_DEFAULTS["backward"] unless kernel_options say
     otherwise; bwd_ONE_KV_LOOP pins the backward's one loop (default off)."""
     from flexattn.lowering.configs import tma as configs
-    auto = configs.tma_by_default("backward", torch.device(DEVICE), E, torch.float16)
+    auto = configs.tma_by_default("backward", torch.device(DEVICE), E, torch.float16, kv_length=32)
     assert _backward_constexprs(E, {}, ("USE_TMA", "ONE_KV_LOOP")) == {"USE_TMA": str(auto), "ONE_KV_LOOP": "False"}
     torch._dynamo.reset()
     assert _backward_constexprs(E, {"USE_TMA": True, "bwd_ONE_KV_LOOP": True}, ("USE_TMA", "ONE_KV_LOOP")) == \

@@ -113,10 +113,13 @@ def test_options_without_effect_warn():
 
 
 def test_tma_choice():
-    """USE_TMA: automatic on sm90+ GPUs for 16-bit inputs, on request elsewhere (the
-    interpreter emulates descriptors), never when asked not to."""
+    """USE_TMA: automatic on sm90+ GPUs for 16-bit inputs and long enough keys, on request
+    elsewhere (the interpreter emulates descriptors), never when asked not to."""
+    from flexattn.lowering.configs.tma import TMA_MIN_KV_LENGTH
     auto = ON_CUDA and torch.cuda.get_device_capability() >= (9, 0)
-    assert constexpr(compile_and_code(check=False), "USE_TMA") == str(auto)
+    assert constexpr(compile_and_code(S=TMA_MIN_KV_LENGTH, check=False), "USE_TMA") == str(auto)
+    torch._dynamo.reset()
+    assert constexpr(compile_and_code(check=False), "USE_TMA") == "False"
     torch._dynamo.reset()
     assert constexpr(compile_and_code(E=40, Ev=24, L=100, S=77, options={"USE_TMA": True}), "USE_TMA") == "True"
     torch._dynamo.reset()
@@ -124,18 +127,22 @@ def test_tma_choice():
 
 
 def test_tma_defaults_per_kernel_and_head_dim(monkeypatch):
-    """The automatic USE_TMA table: 16-bit inputs on sm90; the forward at every head dim,
-    the backward at D=128 only; never the decode kernel (no descriptor path)."""
+    """The automatic USE_TMA table: 16-bit inputs on sm90 with TMA_MIN_KV_LENGTH keys or
+    more; the forward at every head dim, the backward at D=128 only; never the decode
+    kernel (no descriptor path)."""
     from flexattn.lowering.configs import tma as configs
     monkeypatch.setattr(configs, "gpu_generation", lambda device: "sm90")
     dev = torch.device("cuda")
+    long, short = configs.TMA_MIN_KV_LENGTH, configs.TMA_MIN_KV_LENGTH - 1
     for dim in (32, 64, 128, 256):
-        assert configs.tma_by_default("forward", dev, dim, torch.bfloat16)
-        assert configs.tma_by_default("backward", dev, dim, torch.float16) == (64 < dim <= 128)
-        assert not configs.tma_by_default("decode", dev, dim, torch.bfloat16)
-        assert not configs.tma_by_default("forward", dev, dim, torch.float32)
+        assert configs.tma_by_default("forward", dev, dim, torch.bfloat16, long)
+        assert configs.tma_by_default("backward", dev, dim, torch.float16, long) == (64 < dim <= 128)
+        assert not configs.tma_by_default("decode", dev, dim, torch.bfloat16, long)
+        assert not configs.tma_by_default("forward", dev, dim, torch.float32, long)
+        assert not configs.tma_by_default("forward", dev, dim, torch.bfloat16, short)
+        assert not configs.tma_by_default("backward", dev, dim, torch.float16, short)
     monkeypatch.setattr(configs, "gpu_generation", lambda device: "sm80")
-    assert not configs.tma_by_default("forward", dev, 128, torch.bfloat16)
+    assert not configs.tma_by_default("forward", dev, 128, torch.bfloat16, long)
 
 
 def test_tma_request_that_cannot_be_honoured_warns():

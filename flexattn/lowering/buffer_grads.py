@@ -20,7 +20,7 @@ from torch._inductor import ir
 from torch._inductor.lowering import lowerings, to_dtype
 from torch._inductor.virtualized import ops
 
-from .common import as_tensor_boxes, realize_fixed
+from .common import as_tensor_boxes, realize_fixed, signature_filler
 from .subgraph import SCORE_MOD_ARGS, build_mod_buffer, depends_on
 
 aten = torch.ops.aten
@@ -193,8 +193,10 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
         if reducible[i]:
             offsets[i] = total
             total += int(sympy.prod([int(s) for s in score_mod_buffers[i].get_size()]))
-    workspace = realize_fixed(lowerings[aten.full.default]([max(total, 1)], 0.0, dtype=torch.float32,
-                                                           device=device))
+    # Without reduced terms the kernel never touches the workspace: an empty buffer spares
+    # the call a fill kernel's launch.
+    workspace = (realize_fixed(lowerings[aten.full.default]([total], 0.0, dtype=torch.float32, device=device))
+                 if total else signature_filler(device))
 
     scatters: list[ir.ComputedBuffer] = []
     reduced: list[ir.ComputedBuffer] = []

@@ -152,7 +152,7 @@ def dense_buffer(sizes, device, dtype):
     return realize_fixed(empty_strided(sizes, None, dtype=dtype, device=device))
 
 
-def _signature_filler(device):
+def signature_filler(device):
     """A 0-element table for a kernel argument the kernel never reads."""
     return realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
 
@@ -162,7 +162,7 @@ def sinks_for_kernel(sinks, query):
     (B, Hq) in the softmax's dtype (a per-head vector broadcast over the batch with
     stride 0), or a filler when the call has none (HAS_SINKS False)."""
     if sinks is None:
-        return _signature_filler(query.get_device())
+        return signature_filler(query.get_device())
     B, Hq = query.get_size()[:2]
     dtype = stats_dtype(query.get_dtype())
     node = sinks if sinks.get_dtype() == dtype else to_dtype(sinks, dtype)
@@ -173,7 +173,7 @@ def seed_for_kernel(dropout_seed, device):
     """The ``SEED`` argument of a forward or backward template: the call's (2,) int64
     dropout seed, or a filler when it has none (HAS_DROPOUT False). A seed drawn inside
     the graph and used by no backward is still a pointwise node: realized here."""
-    return _signature_filler(device) if dropout_seed is None else realize_fixed(dropout_seed)
+    return signature_filler(device) if dropout_seed is None else realize_fixed(dropout_seed)
 
 
 def dropout_specialisations(kernel_options) -> dict[str, Any]:
@@ -260,7 +260,7 @@ def prepare_call(query, key, value, score_graph, block_mask, kernel_options, sco
     prepared = {}
     for name in names:
         if name.startswith("full_") and not has_full_blocks:
-            prepared[name] = _signature_filler(device)
+            prepared[name] = signature_filler(device)
         else:
             prepared[name] = per_query_head(getattr(bm, name))
     tables = bm._replace(**prepared, **{name: None for name in ("q_num_blocks", "q_indices", "full_q_num_blocks",
@@ -359,7 +359,8 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_d
     requested = _options.read(kernel_options, "USE_TMA")
     if requested is not None and not requested:
         return False
-    if requested is None and not tma_by_default(kernel, query.get_device(), qk_dim_pad, query.get_dtype()):
+    if requested is None and not tma_by_default(kernel, query.get_device(), qk_dim_pad, query.get_dtype(),
+                                                hint(key.get_size()[-2])):
         return False
     if key.get_dtype() != query.get_dtype():
         # float8 keys and values: the tile shapes and configs are the query dtype's.

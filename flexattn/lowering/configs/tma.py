@@ -2,7 +2,8 @@
 
 Descriptors need the copy engine of sm90 and later and 16-bit inputs here; the
 (GPU generation, QK head-dim bucket) pairs below are where they measured faster
-(bench/DECISIONS.md#tma-tma-defaults). kernel_options USE_TMA overrides it per call.
+(bench/DECISIONS.md#tma-tma-defaults), from TMA_MIN_KV_LENGTH keys on. kernel_options
+USE_TMA overrides it per call.
 """
 
 from __future__ import annotations
@@ -17,9 +18,16 @@ TMA_DEFAULTS: dict[str, frozenset[tuple[str, int]]] = {
 }
 
 
-def tma_by_default(kernel: str, device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether ``kernel`` uses tensor descriptors when USE_TMA is not given."""
-    if dtype not in (torch.float16, torch.bfloat16):
+#: Below this many keys a program's few KV tiles do not repay building its descriptors, and
+#: the launch's descriptor scratch adds host time (bench/DECISIONS.md#tma-short-sequences).
+TMA_MIN_KV_LENGTH = 4096
+
+
+def tma_by_default(kernel: str, device: torch.device, padded_head_dim: int, dtype: torch.dtype,
+                   kv_length: int) -> bool:
+    """Whether ``kernel`` uses tensor descriptors when USE_TMA is not given (``kv_length``:
+    the keys per head, a hint when symbolic)."""
+    if dtype not in (torch.float16, torch.bfloat16) or kv_length < TMA_MIN_KV_LENGTH:
         return False
     key = (gpu_generation(device), head_dim_bucket(padded_head_dim))
     return key in TMA_DEFAULTS.get(kernel, frozenset())

@@ -1,0 +1,163 @@
+"""Where does a short call's time go? flexattn's and torch's compiled flex_attention at
+S <= 2048 (bf16, B=4, H=16): the host's time to issue one call, the GPU's kernel time per
+call (profiler), the time of back-to-back calls and do_bench's median (L2 flushed), plus
+the kernels each call launches and the host's busiest operators; ``--variants`` compares
+flexattn kernel_options (issue #26, short
+sequences). ``--code DIR`` also writes each library's Inductor output code per case.
+
+    PYTHONPATH=. python bench/experiments/host_overhead.py --code $OUT/code
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.nn.attention import flex_attention as tflex
+from triton.testing import do_bench
+
+import flexattn
+from flexattn import mods
+
+torch._dynamo.config.cache_size_limit = 256
+B, H = 4, 16
+
+
+def document(S):
+    return mods.document_mask(torch.arange(S, device="cuda") * 8 // S)
+
+
+CASES = {
+    "causal_s1024_d64": (1024, 64, None, mods.causal_mask),
+    "causal_s1024_d128": (1024, 128, None, mods.causal_mask),
+    "document_s1024_d128": (1024, 128, None, "document"),
+    "alibi_causal_s2048_d64": (2048, 64, "alibi", mods.causal_mask),
+    "causal_s2048_d128": (2048, 128, None, mods.causal_mask),
+}
+
+
+def build(name, library, mode, kernel_options=None):
+    S, D, score, mask = CASES[name]
+    mask = document(S) if mask == "document" else mask
+    score_mod = mods.alibi(H, device="cuda") if score == "alibi" else None
+    lib = tflex if library == "torch" else flexattn
+    block_mask = lib.create_block_mask(mask, None, None, S, S, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen,
+                           requires_grad=mode == "fwdbwd") for _ in range(3))
+    grad = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    compiled = torch.compile(lib.flex_attention, fullgraph=True, dynamic=False)
+
+    extra = {} if kernel_options is None else {"kernel_options": kernel_options}
+
+    def call():
+        out = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, **extra)
+        if mode == "fwdbwd":
+            out.backward(grad)
+        return out
+
+    return call, [q, k, v] if mode == "fwdbwd" else []
+
+
+def host_us(call, grads, n=50):
+    """Host time to issue one call, queue not full, GPU behind."""
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            for t in grads:
+                t.grad = None
+            call()
+        times.append((time.perf_counter() - start) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def back_to_back_us(call, grads, n=50):
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(n):
+            for t in grads:
+                t.grad = None
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n * 1e3)
+    return statistics.median(times)
+
+
+def profile(call, grads, n=10):
+    """Kernels per call with their mean GPU time, and the host's top operators by self time."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            for t in grads:
+                t.grad = None
+            call()
+        torch.cuda.synchronize()
+    kernels = collections.defaultdict(list)
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+    ks = sorted(((name, len(v) / n, statistics.mean(v)) for name, v in kernels.items()), key=lambda r: -r[1] * r[2])
+    gpu = sum(c * t for _, c, t in ks)
+    cpu = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return ks, gpu, cpu
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--modes", default="fwd,fwdbwd")
+    parser.add_argument("--code", type=Path)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default='{"flexattn": null}',
+                        help="JSON {name: kernel_options or null} of flexattn calls to compare")
+    args = parser.parse_args()
+    variants = json.loads(args.variants)
+    rows = []
+    for name in args.cases.split(","):
+        for mode in args.modes.split(","):
+            calls = {lib: build(name, lib, mode, options) for lib, options in variants.items()}
+            calls["torch"] = build(name, "torch", mode)
+            for lib, (call, grads) in calls.items():
+                if args.code:
+                    args.code.mkdir(parents=True, exist_ok=True)
+                    torch._dynamo.reset()
+                    _, codes = run_and_get_code(call)
+                    (args.code / f"{name}-{mode}-{lib}.py").write_text("\n\n# ----\n\n".join(codes))
+                call()
+            stats = {lib: collections.defaultdict(list) for lib in calls}
+            for _ in range(args.rounds):
+                for lib, (call, grads) in calls.items():
+                    stats[lib]["host"].append(host_us(call, grads))
+                    stats[lib]["b2b"].append(back_to_back_us(call, grads))
+                    stats[lib]["bench"].append(1e3 * do_bench(call, warmup=25, rep=100, grad_to_none=grads,
+                                                              return_mode="median"))
+            for lib, (call, grads) in calls.items():
+                ks, gpu, cpu = profile(call, grads)
+                med = {key: statistics.median(v) for key, v in stats[lib].items()}
+                rows.append((name, mode, lib, med["host"], gpu, med["b2b"], med["bench"], len(ks),
+                             sum(c for _, c, _ in ks)))
+                print(f"== {name} {mode} {lib}: kernels per call")
+                for kname, count, t in ks:
+                    print(f"   {count:4.1f} x {t:8.1f} us  {kname[:110]}")
+                print(cpu, flush=True)
+    print("| case | mode | lib | host us/call | GPU kernel us/call | back-to-back us | do_bench us | kernels | launches |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]} | {r[8]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
