@@ -119,7 +119,9 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "pointer loads; True asks for it anywhere the layouts allow (else warns and uses pointers), "
                  "False turns it off", "torch",
                  default_doc="on for 16-bit inputs on sm90+ where it measured faster: forward every head dim, "
-                             "backward D 65-128, never decode ([decisions](../bench/DECISIONS.md#tma-tma-defaults))"),
+                             "backward D 65-128, from 4096 keys, never decode "
+                             "([decisions](../bench/DECISIONS.md#tma-tma-defaults), "
+                             "[short sequences](../bench/DECISIONS.md#tma-short-sequences))"),
     KernelOption("REVERSED_Q_TILES", "tristate", PER_CALL, ("forward", "backward"),
                  "start the query tiles from the last one (the forward: every head's last tile before any "
                  "head's second-to-last; the backward's dQ programs: within each head), so the longest rows "
