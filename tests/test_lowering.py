@@ -117,7 +117,8 @@ def test_tma_choice():
     elsewhere (the interpreter emulates descriptors), never when asked not to."""
     from flexattn.lowering.configs.tma import TMA_MIN_KV_LENGTH
     auto = ON_CUDA and torch.cuda.get_device_capability() >= (9, 0)
-    assert constexpr(compile_and_code(S=TMA_MIN_KV_LENGTH, check=False), "USE_TMA") == str(auto)
+    long = TMA_MIN_KV_LENGTH  # queries as many as keys: a prefill, not the decode kernel
+    assert constexpr(compile_and_code(L=long, S=long, check=False), "USE_TMA") == str(auto)
     torch._dynamo.reset()
     assert constexpr(compile_and_code(check=False), "USE_TMA") == "False"
     torch._dynamo.reset()
