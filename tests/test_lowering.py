@@ -300,8 +300,11 @@ def test_gpu_model_tables_override_their_generation(monkeypatch):
     rest; any other sm90 GPU reads the sm90 table."""
     monkeypatch.setattr(config_base, "gpu_generation", lambda device: "sm90")
     dev = torch.device("cpu")
+    h100_tiles = cfgs.ForwardConfig(32, 64, 4, 1)
+    assert h100_tiles != cfgs.SM90[(64, "16bit")]
+    monkeypatch.setitem(cfgs.SM90_H100, (64, "16bit"), h100_tiles)
     monkeypatch.setattr(config_base, "gpu_model", lambda device: "h100")
-    assert cfgs.default_config(dev, 64, torch.bfloat16) == cfgs.SM90_H100[(64, "16bit")]
+    assert cfgs.default_config(dev, 64, torch.bfloat16) == h100_tiles
     assert cfgs.default_config(dev, 128, torch.bfloat16) == cfgs.SM90[(128, "16bit")]
     monkeypatch.setattr(config_base, "gpu_model", lambda device: "h200")
     assert cfgs.default_config(dev, 64, torch.bfloat16) == cfgs.SM90[(64, "16bit")]

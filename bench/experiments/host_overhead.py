@@ -55,10 +55,14 @@ def build(name, library, mode, kernel_options=None):
 
     extra = {} if kernel_options is None else {"kernel_options": kernel_options}
 
-    def call():
+    def call(split=None):
+        start = time.perf_counter()
         out = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, **extra)
+        middle = time.perf_counter()
         if mode == "fwdbwd":
             out.backward(grad)
+        if split is not None:
+            split.append((middle - start, time.perf_counter() - middle))
         return out
 
     return call, [q, k, v] if mode == "fwdbwd" else []
@@ -77,6 +81,19 @@ def host_us(call, grads, n=50):
         times.append((time.perf_counter() - start) / n * 1e6)
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def split_host_us(call, grads, n=50):
+    """Host time of the forward call and of ``backward()`` apart, queue not full."""
+    split = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        for _ in range(n):
+            for t in grads:
+                t.grad = None
+            call(split)
+        torch.cuda.synchronize()
+    return tuple(statistics.median(part[i] for part in split) * 1e6 for i in range(2))
 
 
 def back_to_back_us(call, grads, n=50):
@@ -141,6 +158,9 @@ def main():
             for _ in range(args.rounds):
                 for lib, (call, grads) in calls.items():
                     stats[lib]["host"].append(host_us(call, grads))
+                    fwd_host, bwd_host = split_host_us(call, grads)
+                    stats[lib]["host_fwd"].append(fwd_host)
+                    stats[lib]["host_bwd"].append(bwd_host)
                     stats[lib]["b2b"].append(back_to_back_us(call, grads))
                     stats[lib]["bench"].append(1e3 * do_bench(call, warmup=25, rep=100, grad_to_none=grads,
                                                               return_mode="median"))
@@ -148,15 +168,17 @@ def main():
                 ks, gpu, cpu = profile(call, grads)
                 med = {key: statistics.median(v) for key, v in stats[lib].items()}
                 rows.append((name, mode, lib, med["host"], gpu, med["b2b"], med["bench"], len(ks),
-                             sum(c for _, c, _ in ks)))
+                             sum(c for _, c, _ in ks), med["host_fwd"], med["host_bwd"]))
                 print(f"== {name} {mode} {lib}: kernels per call")
                 for kname, count, t in ks:
                     print(f"   {count:4.1f} x {t:8.1f} us  {kname[:110]}")
                 print(cpu, flush=True)
-    print("| case | mode | lib | host us/call | GPU kernel us/call | back-to-back us | do_bench us | kernels | launches |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | mode | lib | host us/call | of it forward | of it backward | GPU kernel us/call | back-to-back us "
+          "| do_bench us | kernels | launches |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]} | {r[8]:.1f} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[9]:.1f} | {r[10]:.1f} | {r[4]:.1f} | {r[5]:.1f} "
+              f"| {r[6]:.1f} | {r[7]} | {r[8]:.1f} |")
 
 
 if __name__ == "__main__":

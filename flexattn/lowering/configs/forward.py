@@ -42,7 +42,7 @@ class ForwardConfig(TileConfig):
 # FlashAttention-2 style tiles; float32 halves the bytes per tile; "generic" (incl. the
 # interpreter) favours large tiles, i.e. fewer interpreted steps.
 SM90: dict[tuple[int, str], ForwardConfig] = {
-    (64, "16bit"): ForwardConfig(128, 128, 4, 3),
+    (64, "16bit"): ForwardConfig(64, 128, 4, 2),
     (128, "16bit"): ForwardConfig(128, 64, 4, 2, one_kv_loop=True),
     (256, "16bit"): ForwardConfig(128, 64, 8, 2),
     (64, "fp32"): ForwardConfig(128, 32, 4, 3),
@@ -65,11 +65,9 @@ GENERIC: dict[tuple[int, str], ForwardConfig] = {
     (128, "fp32"): ForwardConfig(64, 32, 4, 2),
     (256, "fp32"): ForwardConfig(32, 32, 4, 2),
 }
-# H100s (3.35 TB/s against the H200's 4.8) differ where measured: D=64 16-bit takes
-# 64 x 128 tiles, two stages (bench/DECISIONS.md#forward-defaults-h100).
-SM90_H100: dict[tuple[int, str], ForwardConfig] = {
-    (64, "16bit"): ForwardConfig(64, 128, 4, 2),
-}
+# Entries where H100s (3.35 TB/s against the H200's 4.8) measured better with other tiles
+# than the sm90 table; none at present (bench/DECISIONS.md#forward-defaults-h100).
+SM90_H100: dict[tuple[int, str], ForwardConfig] = {}
 TABLES = {"sm90": SM90, "sm90-h100": SM90_H100, "sm80": SM80, "generic": GENERIC}
 
 #: Extra candidates benchmarked under max_autotune (after fitting).
