@@ -1,30 +1,90 @@
-"""The forward's REVERSED_Q_TILES (every head's last query tile first) against the launch order,
-beside torch's compiled flex_attention: causal, document, sliding 1024, bf16 B=4 H=16, 5 rounds in
-turn (bench/DECISIONS.md#forward-reversed-q-tiles-default)."""
+"""Which launch order should the forward take? kernel_options variants of REVERSED_Q_TILES and
+LAUNCH_GROUP_BYTES (the index order; every head's last tile first; the same within groups of
+heads whose K/V fit half the L2) beside torch's compiled flex_attention, bf16 B=4 H=16, timed
+in rounds in turn (bench/DECISIONS.md#forward-reversed-q-tiles-default).
+
+``--timer graph`` replays each call in a CUDA graph (the GPU's time, no host: the order is a
+GPU question, and below S=4096 a call's host time exceeds its kernel's); ``--timer call``
+times the compiled call as the suite does."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
 import torch
+from torch.nn.attention import flex_attention as tflex
+from triton.testing import do_bench, do_bench_cudagraph
+
 import flexattn
 from flexattn import mods
-from torch.nn.attention import flex_attention as tflex
-from _in_turn import medians_in_turn
-torch._dynamo.config.cache_size_limit = 256
-B, H = 4, 16
-rows = []
-def doc_mask(S):
-    return mods.document_mask(torch.arange(S, device="cuda") * 8 // S)
-for S in (2048, 8192):
-    for D in (64, 128):
-        for mask in ("causal", "document", "sliding"):
-            if mask == "sliding" and S == 2048:
-                continue
-            mm = {"causal": mods.causal_mask, "document": doc_mask(S) if mask == "document" else None,
-                  "sliding": mods.sliding_window(1024)}[mask]
-            q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            bm = flexattn.create_block_mask(mm, None, None, S, S, device="cuda")
-            tbm = tflex.create_block_mask(mm, None, None, S, S, device="cuda")
-            fns = {}
-            for rev in (False, True):
-                fns[f"rev={rev}"] = torch.compile(lambda q, k, v, rev=rev: flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options={"REVERSED_Q_TILES": rev}))
-            fns["torch"] = torch.compile(lambda q, k, v: tflex.flex_attention(q, k, v, block_mask=tbm))
-            med = medians_in_turn(fns, q, k, v)
-            print(f"S={S} D={D} {mask}: " + "  ".join(f"{n} {m*1e3:.1f}us" for n, m in med.items())
-                  + f"  | rev/off {med['rev=True']/med['rev=False']:.3f}  torch/off {med['torch']/med['rev=False']:.3f} torch/rev {med['torch']/med['rev=True']:.3f}", flush=True)
+
+VARIANTS = {
+    "index": {"REVERSED_Q_TILES": False},
+    "reversed": {"REVERSED_Q_TILES": True, "LAUNCH_GROUP_BYTES": 0},
+    "grouped": {"REVERSED_Q_TILES": True},
+}
+
+
+def mask_of(name: str, S: int):
+    if name == "causal":
+        return mods.causal_mask
+    if name == "document":
+        return mods.document_mask(torch.arange(S, device="cuda") * 8 // S)
+    if name == "document_causal":
+        return flexattn.and_masks(mods.document_mask(torch.arange(S, device="cuda") * 8 // S), mods.causal_mask)
+    if name == "sliding":
+        return mods.sliding_window(1024)
+    raise ValueError(f"unknown mask {name!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--masks", default="causal,document_causal")
+    parser.add_argument("--variants", default=None, help="JSON {name: kernel_options}; default: " + json.dumps(VARIANTS))
+    parser.add_argument("--timer", choices=("graph", "call"), default="graph")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    args = parser.parse_args()
+    variants = json.loads(args.variants) if args.variants else VARIANTS
+    torch._dynamo.config.cache_size_limit = 256
+    B, H = args.batch, args.heads
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B={B} H={H} bf16, timer {args.timer}, "
+          f"{args.rounds} rounds in turn; variants {json.dumps(variants)}", flush=True)
+    names = list(variants) + ["torch"]
+    print("| S | D | mask | " + " | ".join(f"{n} us" for n in names) + " | "
+          + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
+    print("| --- " * (3 + 2 * len(names) - 1) + "|")
+    for S in (int(s) for s in args.lengths.split(",")):
+        for D in (int(d) for d in args.dims.split(",")):
+            for mask in args.masks.split(","):
+                # Fresh Dynamo caches per case: each compile sees static shapes, as the suite's.
+                torch.compiler.reset()
+                mm = mask_of(mask, S)
+                q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                bm = flexattn.create_block_mask(mm, None, None, S, S, device="cuda")
+                tbm = tflex.create_block_mask(mm, None, None, S, S, device="cuda")
+                fns = {name: torch.compile(lambda q, k, v, o=opts: flexattn.flex_attention(
+                    q, k, v, block_mask=bm, kernel_options=o)) for name, opts in variants.items()}
+                fns["torch"] = torch.compile(lambda q, k, v: tflex.flex_attention(q, k, v, block_mask=tbm))
+                for f in fns.values():
+                    f(q, k, v)
+                torch.cuda.synchronize()
+                times = {name: [] for name in fns}
+                for _ in range(args.rounds):
+                    for name, f in fns.items():
+                        call = lambda f=f: f(q, k, v)  # noqa: E731
+                        ms = do_bench_cudagraph(call, rep=100) if args.timer == "graph" \
+                            else do_bench(call, warmup=25, rep=100)
+                        times[name].append(ms)
+                med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                base = med[names[0]]
+                print(f"| {S} | {D} | {mask} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | "
+                      + " | ".join(f"{med[n] / base:.3f}" for n in names[1:]) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
