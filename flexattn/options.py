@@ -128,11 +128,6 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "of causal-like masks start first (no numerical effect)",
                  default_doc="backward on, forward off "
                              "([decisions](../bench/DECISIONS.md#forward-reversed-q-tiles-default))"),
-    KernelOption("LAUNCH_GROUP_BYTES", "int", PER_CALL, ("forward",),
-                 "forward with REVERSED_Q_TILES: the K/V bytes one group of heads may span; the launch takes "
-                 "the groups in turn and, within a group, every head's last query tile first (0: the whole "
-                 "launch is one group)",
-                 default_doc="half the GPU's L2 cache"),
     KernelOption("BACKEND", "str", "AUTO", ("forward", "decode"),
                  "which kernel: AUTO (flexattn's choice), TRITON (the main kernel), TRITON_DECODE (the split-KV "
                  "decode kernel); torch's FLASH backend does not exist here (an error)", "torch",

@@ -267,31 +267,13 @@ def test_kernel_options(options):
 
 
 @pytest.mark.triton_kernels
-@pytest.mark.parametrize("group_heads,Hkv", [(None, 5), (0, 5), (2, 5), (1, 5), (4, 1)],
-                         ids=["l2-default", "one-group", "groups-of-2", "groups-of-1", "gqa-groups-of-4"])
-def test_longest_tiles_first_covers_every_program_once(group_heads, Hkv):
-    """REVERSED_Q_TILES re-reads the launch index as (group of heads, tile from the last,
-    head in the group): with 3 batches and 5 heads (15 heads; groups that leave a partial
-    last group), GQA, and a head-dependent score_mod, every tile of every head is computed
-    once and lands in its place. ``group_heads``: heads per group through
-    LAUNCH_GROUP_BYTES (K/V bytes of that many heads), None for the default."""
+def test_longest_tiles_first_covers_every_program_once():
+    """REVERSED_Q_TILES maps the launch index to (tile, batch, head) with the tile slowest:
+    with 3 batches, 5 heads (odd, unequal) and a head-dependent score_mod, every tile of
+    every head is computed once and lands in its place."""
     n = scaled(70, 300)
-    E = 32
-    options = {"REVERSED_Q_TILES": True, "BLOCK_M": 32}
-    if group_heads is not None:
-        # A KV head's K and V rows: n positions x (E + E) fp16 values; GQA shares them.
-        options["LAUNCH_GROUP_BYTES"] = group_heads * n * 2 * E * 2 // (5 // Hkv)
-    run_case(dtype=torch.float16, B=3, Hq=5, Hkv=Hkv, L=n, S=n, E=E, Ev=E, score_mod=mods.alibi(5, device=DEVICE),
-             mask_mod=mods.causal_mask, block_size=32, options=options)
-
-
-def test_launch_group_keys():
-    """LAUNCH_GROUP_KEYS from the option's bytes or half the L2, per key position of K and V."""
-    from flexattn.lowering.configs.forward import launch_group_keys
-    assert launch_group_keys(None, 50 * 2**20, 128, 128, 2) == 25 * 2**20 // 512
-    assert launch_group_keys(4096, 50 * 2**20, 64, 64, 2) == 16
-    assert launch_group_keys(0, 50 * 2**20, 64, 64, 2) == 0
-    assert launch_group_keys(None, None, 64, 64, 2) == 0
+    run_case(dtype=torch.float16, B=3, Hq=5, L=n, S=n, score_mod=mods.alibi(5, device=DEVICE),
+             mask_mod=mods.causal_mask, block_size=32, options={"REVERSED_Q_TILES": True, "BLOCK_M": 32})
 
 
 @pytest.mark.triton_kernels

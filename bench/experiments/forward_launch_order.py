@@ -1,7 +1,7 @@
-"""Which launch order should the forward take? kernel_options variants of REVERSED_Q_TILES and
-LAUNCH_GROUP_BYTES (the index order; every head's last tile first; the same within groups of
-heads whose K/V fit half the L2) beside torch's compiled flex_attention, bf16 B=4 H=16, timed
-in rounds in turn (bench/DECISIONS.md#forward-reversed-q-tiles-default).
+"""Which launch order (or any other kernel_options variant) should the forward take? The index
+order against REVERSED_Q_TILES (every head's last tile first), or ``--variants``, beside torch's
+compiled flex_attention, bf16 B=4 H=16, timed in rounds in turn
+(bench/DECISIONS.md#forward-reversed-q-tiles-default).
 
 ``--timer graph`` replays each call in a CUDA graph (the GPU's time, no host: the order is a
 GPU question, and below S=4096 a call's host time exceeds its kernel's); ``--timer call``
@@ -21,8 +21,7 @@ from flexattn import mods
 
 VARIANTS = {
     "index": {"REVERSED_Q_TILES": False},
-    "reversed": {"REVERSED_Q_TILES": True, "LAUNCH_GROUP_BYTES": 0},
-    "grouped": {"REVERSED_Q_TILES": True},
+    "reversed": {"REVERSED_Q_TILES": True},
 }
 
 

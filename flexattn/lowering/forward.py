@@ -15,7 +15,6 @@ from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
 
 from .. import _compat
-from .. import options as _options
 from ..reference import stats_dtype
 from ..templates import kernel_source
 from . import common
@@ -65,9 +64,6 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
         reversed_q_tiles_default=forward_configs.REVERSED_Q_TILES,
     )
 
-    spec["LAUNCH_GROUP_KEYS"] = forward_configs.launch_group_keys(
-        _options.read(kernel_options, "LAUNCH_GROUP_BYTES"), config_base.l2_cache_bytes(device),
-        spec["QK_HEAD_DIM"], spec["V_HEAD_DIM"], key.get_dtype().itemsize)
     spec["HAS_SINKS"] = sinks is not None
     spec.update(common.dropout_specialisations(kernel_options))
     layout = common.output_layout(query, spec["V_HEAD_DIM"])

@@ -114,13 +114,6 @@ def shared_memory_limit(device: torch.device) -> int | None:
     return getattr(props, "shared_memory_per_block_optin", None) or None
 
 
-def l2_cache_bytes(device: torch.device) -> int | None:
-    """Bytes of the GPU's L2 cache, or None where it is not known (CPU, the interpreter)."""
-    if device.type != "cuda":
-        return None
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None) or None
-
-
 def with_pinned(configs: Sequence[TileConfig], pinned: dict[str, Any]) -> list:
     """``configs`` with the pinned fields replaced, duplicates dropped (order kept)."""
     out: list = []

@@ -87,20 +87,6 @@ AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
 #: REVERSED_Q_TILES when kernel_options leave it unset (bench/DECISIONS.md#forward-reversed-q-tiles-default).
 REVERSED_Q_TILES = False
 
-#: The share of the L2 cache whose K/V bytes one launch group of REVERSED_Q_TILES may span
-#: when kernel_options leave LAUNCH_GROUP_BYTES unset (bench/DECISIONS.md#forward-reversed-q-tiles-default).
-LAUNCH_GROUP_L2_SHARE = 0.5
-
-
-def launch_group_keys(group_bytes: int | None, l2_bytes: int | None, qk_dim: int, v_dim: int,
-                      elem_bytes: int) -> int:
-    """LAUNCH_GROUP_KEYS: the key positions whose K and V rows fit one launch group's
-    budget (``group_bytes``, else LAUNCH_GROUP_L2_SHARE of ``l2_bytes``); 0 (one group
-    for the whole launch) where neither is known or the budget is 0."""
-    budget = group_bytes if group_bytes is not None else int((l2_bytes or 0) * LAUNCH_GROUP_L2_SHARE)
-    return max(budget, 0) // ((qk_dim + v_dim) * elem_bytes)
-
-
 #: Shared-memory fitting order: fewer stages, then a narrower KV step.
 SMEM_STEPS = (("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n", MIN_TILE))
 
