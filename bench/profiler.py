@@ -153,7 +153,7 @@ def _synchronizations(step, grads) -> list[str]:
 
 def profile_attention(args) -> list[str]:
     """The attention report (see the module docstring); returns the summary table's lines."""
-    suite = {case.name: case for case in ba.full_suite() + ba.quick_suite()}
+    suite = {case.name: case for case in ba.full_suite() + ba.quick_suite() + ba.short_suite()}
     ba._fresh_compile_caches()
     settings = ba.Settings(device=torch.device("cuda"), dtype=torch.bfloat16, compile_backend="inductor",
                            warmup_ms=25, rep_ms=100, cpu_reps=1, not_run={})

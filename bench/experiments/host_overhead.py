@@ -38,6 +38,7 @@ CASES = {
     "document_s1024_d128": (1024, 128, None, "document"),
     "alibi_causal_s2048_d64": (2048, 64, "alibi", mods.causal_mask),
     "causal_s2048_d128": (2048, 128, None, mods.causal_mask),
+    "document_s8192_d128": (8192, 128, None, "document"),
 }
 
 
