@@ -120,9 +120,16 @@ def test_local_masks_select_the_global_mask(name):
     dense = flexattn.create_mask(mask.mask_mod, 1, 1, S, S, device="cpu")[0, 0]
     for rank in range(4):
         q_pos = plan.positions(rank)
-        for kv_ranks in [(s,) for s in range(4)] + [tuple(range(4))]:
-            call = masks._call(rank, kv_ranks)
-            kv_pos = torch.cat([plan.positions(s) for s in kv_ranks])
+        gathered = masks.gathered_call(rank)
+        for kv_ranks, call in [((s,), masks.ring_call(rank, s)) for s in range(4)] + [(None, gathered)]:
+            if kv_ranks is None:  # the gather: the chunks this rank's queries list
+                chunks = masks.gathered_chunks(rank)
+                kv_pos = torch.cat([torch.arange(c * plan.chunk_len, (c + 1) * plan.chunk_len) for c in chunks])
+                # Every allowed key of these queries lies in a gathered chunk.
+                assert int(dense[q_pos].sum()) == int(dense[q_pos][:, kv_pos].sum())
+                assert [plan.owner(c) for c in chunks] == sorted(plan.owner(c) for c in chunks)
+            else:
+                kv_pos = plan.positions(kv_ranks[0])
             want = dense[q_pos][:, kv_pos]
             local = call.block_mask
             got = flexattn.create_mask(local.mask_mod, 1, 1, *local.seq_lengths, device="cpu")[0, 0]
@@ -130,8 +137,13 @@ def test_local_masks_select_the_global_mask(name):
             listed = local.to_dense()[0, 0].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1).bool()
             assert not (want & ~listed).any(), "an allowed entry lies in a block the local mask skips"
             assert call.blocks == int(local.to_dense().sum())
-            if len(kv_ranks) == 1:
+            if kv_ranks is not None:
                 assert masks.needed[rank][kv_ranks[0]] == bool(want.any())
+    # Causal (zigzag) ranks list most chunks: one all-gather; a sliding window and the
+    # documents list few: each rank receives only those.
+    assert masks.gathers_all() is (name == "causal"), masks.received_fraction()
+    want_chunks = tuple(c for chunks in plan.chunks for c in chunks) if name == "causal" else masks.needed_chunks[rank]
+    assert masks.gathered_chunks(rank) == want_chunks
 
 
 def test_errors_without_a_process_group():
@@ -211,8 +223,8 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]])
 
 CASES = {
     2: [("causal", "ring"), ("document", "ring"), ("sliding", "auto"), ("alibi", "allgather"),
-        ("learnable_bias", "ring"), ("gqa", "auto")],
-    4: [("causal", "ring"), ("document", "allgather"), ("learnable_bias", "ring")],
+        ("learnable_bias", "ring"), ("gqa", "auto"), ("document", "allgather")],
+    4: [("causal", "ring"), ("document", "allgather"), ("learnable_bias", "ring"), ("sliding", "allgather")],
 }
 
 
