@@ -25,7 +25,7 @@ from flexattn.distributed import (
     plan_context_parallel,
     plan_shards,
 )
-from flexattn.distributed.local import LocalMasks
+from flexattn.distributed.local import LocalMasks, block_positions
 
 import _harness as H
 
@@ -122,12 +122,12 @@ def test_local_masks_select_the_global_mask(name):
         q_pos = plan.positions(rank)
         gathered = masks.gathered_call(rank)
         for kv_ranks, call in [((s,), masks.ring_call(rank, s)) for s in range(4)] + [(None, gathered)]:
-            if kv_ranks is None:  # the gather: the chunks this rank's queries list
-                chunks = masks.gathered_chunks(rank)
-                kv_pos = torch.cat([torch.arange(c * plan.chunk_len, (c + 1) * plan.chunk_len) for c in chunks])
-                # Every allowed key of these queries lies in a gathered chunk.
+            if kv_ranks is None:  # the gather: the blocks this rank's queries list
+                kv_pos = block_positions(masks.gathered_blocks(rank), BLOCK)
+                # Every allowed key of these queries lies in a gathered block.
                 assert int(dense[q_pos].sum()) == int(dense[q_pos][:, kv_pos].sum())
-                assert [plan.owner(c) for c in chunks] == sorted(plan.owner(c) for c in chunks)
+                owners = [plan.owner(int(p) // plan.chunk_len) for p in kv_pos[::BLOCK]]
+                assert owners == sorted(owners)
             else:
                 kv_pos = plan.positions(kv_ranks[0])
             want = dense[q_pos][:, kv_pos]
@@ -139,11 +139,16 @@ def test_local_masks_select_the_global_mask(name):
             assert call.blocks == int(local.to_dense().sum())
             if kv_ranks is not None:
                 assert masks.needed[rank][kv_ranks[0]] == bool(want.any())
-    # Causal (zigzag) ranks list most chunks: one all-gather; a sliding window and the
+    # Causal (zigzag) ranks list most blocks: one all-gather; a sliding window and the
     # documents list few: each rank receives only those.
     assert masks.gathers_all() is (name == "causal"), masks.received_fraction()
-    want_chunks = tuple(c for chunks in plan.chunks for c in chunks) if name == "causal" else masks.needed_chunks[rank]
-    assert masks.gathered_chunks(rank) == want_chunks
+    for rank in range(4):
+        receives, sends = masks.transfers(rank)
+        received = sum(p.numel() for src, p in receives if src != rank)
+        assert received == BLOCK * int((masks._owner[masks.needed_blocks[rank]] != rank).sum())
+        # What each rank sends is what its destination receives from it.
+        for dst, positions in sends:
+            assert any(src == rank and torch.equal(p, positions) for src, p in masks.transfers(dst)[0])
 
 
 def test_errors_without_a_process_group():

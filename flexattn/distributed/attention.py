@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..api import AuxRequest, flex_attention
 from ..block_mask import BlockMask
 from . import merge
-from .exchange import AllGather, ChunkGather, RingExchange
+from .exchange import AllGather, BlockGather, RingExchange
 from .local import LocalMasks
 from .plan import ShardPlan, plan_context_parallel
 
@@ -173,14 +173,14 @@ class _Ring(torch.autograd.Function):
 
 
 def _all_gathered(setup: _Setup, query: Tensor, key: Tensor, value: Tensor, rank: int, world: int, group):
-    """The all-gather strategy: one call on the keys of the chunks this rank's queries
-    list (every rank's, by one all-gather, where every rank lists every chunk), autograd
+    """The all-gather strategy: one call on the keys of the blocks this rank's queries
+    list (every rank's, by one all-gather, where the ranks list most of them), autograd
     through it all."""
     kv = torch.cat([key, value], dim=-1)
     if setup.masks.gathers_all():
         kv = AllGather.apply(kv, group, world, rank)
     else:
-        kv = ChunkGather.apply(kv, setup.masks, rank, group)
+        kv = BlockGather.apply(kv, setup.masks, rank, group)
     return setup.attend(setup.masks.gathered_call(rank), query, kv)
 
 

@@ -10,10 +10,10 @@ Keys and values travel packed as one tensor (B, Hkv, S, E + Ev).
   starts, so at most two steps' buffers are alive.
 * ``AllGather``: one all-gather of every rank's keys and values (W times the local
   memory; one collective) for one call, differentiable (a reduce-scatter of the
-  gradients), where the ranks' queries list most chunks (``LocalMasks.gathers_all``).
-* ``ChunkGather``: otherwise, each rank receives only the chunks its queries list
-  (``LocalMasks.needed_chunks``), every pair of ranks in one batch of peer-to-peer
-  transfers; the gradients of those chunks go back to their owners the same way.
+  gradients), where the ranks' queries list most blocks (``LocalMasks.gathers_all``).
+* ``BlockGather``: otherwise, each rank receives only the KV blocks its queries list
+  (``LocalMasks.needed_blocks``), every pair of ranks in one batch of peer-to-peer
+  transfers; the gradients of those blocks go back to their owners the same way.
 """
 
 from __future__ import annotations
@@ -151,68 +151,48 @@ class AllGather(torch.autograd.Function):
         return mine, None, None, None
 
 
-def _local_positions(plan, rank: int, chunks, device) -> Tensor:
-    """Where ``chunks`` (all owned by ``rank``) sit in that rank's shard, token by token."""
-    owned = plan.chunks[rank]
-    return torch.cat([torch.arange(owned.index(c) * plan.chunk_len, (owned.index(c) + 1) * plan.chunk_len)
-                      for c in chunks]).to(device)
 
-
-class ChunkGather(torch.autograd.Function):
-    """The chunks of packed keys and values this rank's queries list, in owner-rank then
-    chunk order (``LocalMasks.needed_chunks``): its own taken in place, the others
-    received from their owners, each rank sending every peer the chunks that peer lists.
-    The backward sends each received chunk's gradient back to its owner and adds what
-    comes back to this rank's own."""
+class BlockGather(torch.autograd.Function):
+    """The KV blocks of packed keys and values this rank's queries list, in owner-rank
+    then local order (``LocalMasks.needed_blocks``): its own taken in place, the others
+    received from their owners, each rank sending every peer the blocks that peer lists
+    (``LocalMasks.transfers``). The backward sends each received block's gradient back to
+    its owner and adds what comes back to this rank's own."""
 
     @staticmethod
     def forward(ctx, kv: Tensor, masks: LocalMasks, rank: int, group) -> Tensor:
-        plan, world = masks.plan, masks.plan.world_size
         kv = kv.contiguous()
-        wanted = masks.needed_chunks[rank]
-        # (peer, local positions of this rank's chunks that peer lists)
-        sends = [(p, _local_positions(plan, rank, [c for c in masks.needed_chunks[p] if c in plan.chunks[rank]],
-                                      kv.device))
-                 for p in range(world) if p != rank and any(c in plan.chunks[rank] for c in masks.needed_chunks[p])]
+        receives, sends = masks.transfers(rank)
+        receives = [(src, positions.to(kv.device)) for src, positions in receives]
+        sends = [(dst, positions.to(kv.device)) for dst, positions in sends]
         pieces, ops = [], []
-        for src in range(world):
-            chunks = [c for c in wanted if c in plan.chunks[src]]
-            if not chunks:
-                continue
+        for src, positions in receives:
             if src == rank:
-                pieces.append(kv.index_select(2, _local_positions(plan, rank, chunks, kv.device)))
-                continue
-            shape = (*kv.shape[:2], len(chunks) * plan.chunk_len, kv.shape[3])
-            pieces.append(torch.empty(shape, dtype=kv.dtype, device=kv.device))
-            ops.append(dist.P2POp(dist.irecv, pieces[-1], _peer(group, src), group, tag=1))
+                pieces.append(kv.index_select(2, positions))
+            else:
+                pieces.append(kv.new_empty((*kv.shape[:2], positions.numel(), kv.shape[3])))
+                ops.append(dist.P2POp(dist.irecv, pieces[-1], _peer(group, src), group, tag=1))
         outgoing = [kv.index_select(2, positions) for _, positions in sends]
-        ops += [dist.P2POp(dist.isend, t, _peer(group, p), group, tag=1) for (p, _), t in zip(sends, outgoing)]
+        ops += [dist.P2POp(dist.isend, t, _peer(group, dst), group, tag=1) for (dst, _), t in zip(sends, outgoing)]
         _wait(_start(ops))
-        ctx.masks, ctx.rank, ctx.group, ctx.sends = masks, rank, group, sends
-        ctx.kv_shape = kv.shape
-        ctx.sources = [src for src in range(world) if any(c in plan.chunks[src] for c in wanted)]
-        ctx.sizes = [piece.shape[2] for piece in pieces]
+        ctx.rank, ctx.group, ctx.receives, ctx.sends, ctx.kv_shape = rank, group, receives, sends, kv.shape
         return torch.cat(pieces, dim=2)
 
     @staticmethod
     def backward(ctx, dgathered: Tensor):
-        masks, rank, group = ctx.masks, ctx.rank, ctx.group
-        plan = masks.plan
+        rank, group = ctx.rank, ctx.group
         dkv = torch.zeros(ctx.kv_shape, dtype=torch.float32, device=dgathered.device)
-        ops, outgoing = [], []
-        for src, piece in zip(ctx.sources, dgathered.split(ctx.sizes, dim=2)):
+        sizes = [positions.numel() for _, positions in ctx.receives]
+        ops, outgoing, incoming = [], [], []
+        for (src, positions), piece in zip(ctx.receives, dgathered.split(sizes, dim=2)):
             if src == rank:
-                own = [c for c in masks.needed_chunks[rank] if c in plan.chunks[rank]]
-                dkv.index_add_(2, _local_positions(plan, rank, own, dkv.device), piece.float())
+                dkv.index_add_(2, positions, piece.float())
             else:
                 outgoing.append(piece.contiguous())
                 ops.append(dist.P2POp(dist.isend, outgoing[-1], _peer(group, src), group, tag=2))
-        incoming = []
-        for p, positions in ctx.sends:
-            buffer = torch.empty((*ctx.kv_shape[:2], positions.numel(), ctx.kv_shape[3]), dtype=dgathered.dtype,
-                                 device=dgathered.device)
-            incoming.append((buffer, positions))
-            ops.append(dist.P2POp(dist.irecv, buffer, _peer(group, p), group, tag=2))
+        for dst, positions in ctx.sends:
+            incoming.append((dgathered.new_empty((*ctx.kv_shape[:2], positions.numel(), ctx.kv_shape[3])), positions))
+            ops.append(dist.P2POp(dist.irecv, incoming[-1][0], _peer(group, dst), group, tag=2))
         _wait(_start(ops))
         for buffer, positions in incoming:
             dkv.index_add_(2, positions, buffer.float())

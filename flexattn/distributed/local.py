@@ -1,7 +1,7 @@
 """What one rank's attention calls see: local BlockMasks and mods in global positions.
 
 A rank's queries are its plan positions; the keys of a call are one rank's positions (a
-ring step) or the chunks its queries list, in owner-rank then chunk order (the gather). The local mask is the global
+ring step) or the blocks its queries list, in owner-rank then local order (the gather). The local mask is the global
 mask's block flags at those query rows and key columns (chunks are whole blocks, so this
 is exact), and its mask_mod and the call's score_mod see global positions: they index
 the captured position tables with the local indices. Built once per (mask, plan, rank)
@@ -11,7 +11,7 @@ and reused by every call (``LocalMasks``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -38,24 +38,19 @@ def global_score_mod(score_mod: Callable, q_pos: Tensor, kv_pos: Tensor) -> Call
     return score_mod_at_global_positions
 
 
-def _chunk_blocks(plan: ShardPlan, chunks, block: int) -> Tensor:
-    """The global block ids of ``chunks``' tokens, in the given chunk order."""
-    per_chunk = plan.chunk_len // block
-    return torch.cat([torch.arange(c * per_chunk, (c + 1) * per_chunk) for c in chunks])
-
-
-def _chunk_positions(plan: ShardPlan, chunks) -> Tensor:
-    """The global positions of ``chunks``' tokens, in the given chunk order."""
-    return torch.cat([torch.arange(c * plan.chunk_len, (c + 1) * plan.chunk_len) for c in chunks])
-
-
 def _block_ids(plan: ShardPlan, rank: int, block: int) -> Tensor:
     """The global block ids of rank ``rank``'s tokens, in local order."""
-    return _chunk_blocks(plan, plan.chunks[rank], block)
+    per_chunk = plan.chunk_len // block
+    return torch.cat([torch.arange(c * per_chunk, (c + 1) * per_chunk) for c in plan.chunks[rank]])
+
+
+def block_positions(blocks: Tensor, block: int) -> Tensor:
+    """The token positions of ``blocks`` (ids of ``block`` tokens each), in their order."""
+    return (blocks[:, None] * block + torch.arange(block, device=blocks.device)).flatten()
 
 
 #: Above this share of the whole all-gather's bytes, the gather takes every rank's keys by
-#: one collective instead of the listed chunks peer to peer (bench/DECISIONS.md#cp-chunk-gather).
+#: one collective instead of the listed blocks peer to peer (bench/DECISIONS.md#cp-chunk-gather).
 GATHER_ALL_FRACTION = 0.5
 
 
@@ -74,9 +69,9 @@ class LocalMasks:
     """Per rank and KV source, the local BlockMask and mods of a (global mask, plan).
 
     ``needed[r][s]``: whether rank r's queries list any block of rank s's keys (ranks
-    exchange only what is needed); ``needed_chunks[r]``: the chunks whose keys rank r's
-    queries list, in owner-rank then chunk order. ``ring_call(r, s)`` is rank r's call on
-    rank s's keys; ``gathered_call(r)`` is its call on the keys of ``needed_chunks[r]``.
+    exchange only what is needed); ``needed_blocks[r]``: the global ids of the KV blocks
+    rank r's queries list, in owner-rank then local order. ``ring_call(r, s)`` is rank
+    r's call on rank s's keys; ``gathered_call(r)`` is its call on ``gathered_blocks(r)``.
     """
 
     def __init__(self, block_mask: BlockMask, plan: ShardPlan, score_mod: Callable | None, device: torch.device):
@@ -89,35 +84,43 @@ class LocalMasks:
         self.device = device
         q_block, kv_block = block_mask.BLOCK_SIZE
         self._partial, self._full = block_flags(block_mask)
-        self._q_blocks = [_block_ids(plan, r, q_block).to(self._partial.device) for r in range(plan.world_size)]
-        self._kv_blocks = [_block_ids(plan, r, kv_block).to(self._partial.device) for r in range(plan.world_size)]
-        self._positions = [plan.positions(r, device) for r in range(plan.world_size)]
+        world = plan.world_size
+        self._q_blocks = [_block_ids(plan, r, q_block).to(self._partial.device) for r in range(world)]
+        self._kv_blocks = [_block_ids(plan, r, kv_block).to(self._partial.device) for r in range(world)]
+        self._positions = [plan.positions(r, device) for r in range(world)]
         listed = self._partial | self._full if self._full is not None else self._partial
         listed = listed.flatten(0, -3).any(0)
-        world = plan.world_size
         self.needed = [[bool(listed[self._q_blocks[r]][:, self._kv_blocks[s]].any()) for s in range(world)]
                        for r in range(world)]
-        kv_per_chunk = plan.chunk_len // kv_block
-        self.needed_chunks = []
+        # Every KV block's owner and index in its owner's shard.
+        kv_total = listed.shape[-1]
+        self._owner = torch.empty(kv_total, dtype=torch.int64)
+        self._local_index = torch.empty(kv_total, dtype=torch.int64)
         for r in range(world):
-            chunk_listed = listed[self._q_blocks[r]].any(0).view(-1, kv_per_chunk).any(1)
-            chunks = tuple(c for s in range(world) for c in plan.chunks[s] if chunk_listed[c])
+            ids = self._kv_blocks[r].cpu()
+            self._owner[ids] = r
+            self._local_index[ids] = torch.arange(ids.numel())
+        everything = torch.cat(self._kv_blocks)
+        self.needed_blocks = []
+        for r in range(world):
+            wanted = listed[self._q_blocks[r]].any(0)[everything]
             # Queries that list nothing still make one (empty) call: on their own keys.
-            self.needed_chunks.append(chunks or plan.chunks[r])
-        self._calls: dict[tuple[int, tuple[int, ...]], LocalCall] = {}
+            self.needed_blocks.append(everything[wanted].cpu() if wanted.any() else self._kv_blocks[r].cpu())
+        # LocalCalls by (rank, KV blocks), gathered calls and transfers by (kind, rank).
+        self._calls: dict[tuple, Any] = {}
 
-    def _call(self, rank: int, kv_ranks: tuple[int, ...], kv_chunks: tuple[int, ...]) -> LocalCall:
-        key = (rank, kv_chunks)
+    def _call(self, rank: int, kv_ranks: tuple[int, ...], kv_blocks: Tensor) -> LocalCall:
+        key = (rank, tuple(kv_blocks.tolist()))
         if key not in self._calls:
             rows = self._q_blocks[rank]
-            cols = _chunk_blocks(self.plan, kv_chunks, self.block_mask.BLOCK_SIZE[1]).to(rows.device)
+            cols = kv_blocks.to(rows.device)
 
             def pick(flags: Tensor | None) -> Tensor | None:
                 return None if flags is None else flags.index_select(-2, rows).index_select(-1, cols)
 
             partial, full = pick(self._partial), pick(self._full)
             q_pos = self._positions[rank]
-            kv_pos = _chunk_positions(self.plan, kv_chunks).to(self.device)
+            kv_pos = block_positions(kv_blocks, self.block_mask.BLOCK_SIZE[1]).to(self.device)
             length = (q_pos.numel(), kv_pos.numel())
             mask = _from_block_flags(partial, full, length, self.block_mask.BLOCK_SIZE,
                                      global_mask_mod(self.block_mask.mask_mod, q_pos, kv_pos)).to(self.device)
@@ -127,31 +130,55 @@ class LocalMasks:
         return self._calls[key]
 
     def ring_call(self, rank: int, kv_rank: int) -> LocalCall:
-        return self._call(rank, (kv_rank,), self.plan.chunks[kv_rank])
+        return self._call(rank, (kv_rank,), self._kv_blocks[kv_rank].cpu())
 
-    def gathered_chunks(self, rank: int) -> tuple[int, ...]:
-        """The chunks of rank ``rank``'s gathered call: every chunk in rank order where the
-        gather is a whole all-gather (``gathers_all``), else ``needed_chunks[rank]``."""
+    def gathered_blocks(self, rank: int) -> Tensor:
+        """The KV blocks of rank ``rank``'s gathered call: every block in rank order where
+        the gather is a whole all-gather (``gathers_all``), else ``needed_blocks[rank]``."""
         if self.gathers_all():
-            return tuple(c for chunks in self.plan.chunks for c in chunks)
-        return self.needed_chunks[rank]
+            return torch.cat(self._kv_blocks).cpu()
+        return self.needed_blocks[rank]
 
     def gathered_call(self, rank: int) -> LocalCall:
-        chunks = self.gathered_chunks(rank)
-        owners = tuple(sorted({self.plan.owner(c) for c in chunks}))
-        return self._call(rank, owners, chunks)
+        if ("gathered", rank) not in self._calls:
+            blocks = self.gathered_blocks(rank)
+            owners = tuple(sorted(set(self._owner[blocks].tolist())))
+            self._calls[("gathered", rank)] = self._call(rank, owners, blocks)
+        return self._calls[("gathered", rank)]
+
+    def transfers(self, rank: int) -> tuple[list[tuple[int, Tensor]], list[tuple[int, Tensor]]]:
+        """The gather's peer-to-peer transfers of rank ``rank``: (source or destination
+        rank, token positions in the owner's shard) of the blocks it receives from each
+        source and sends to each destination, sources and destinations in rank order;
+        its own listed blocks are the entry with source ``rank``."""
+        if ("transfers", rank) in self._calls:
+            return self._calls[("transfers", rank)]
+        kv_block = self.block_mask.BLOCK_SIZE[1]
+
+        def positions(blocks: Tensor) -> Tensor:
+            return block_positions(self._local_index[blocks], kv_block)
+
+        mine = self.needed_blocks[rank]
+        receives = [(src, positions(mine[self._owner[mine] == src])) for src in range(self.plan.world_size)
+                    if bool((self._owner[mine] == src).any())]
+        sends = []
+        for dst in range(self.plan.world_size):
+            theirs = self.needed_blocks[dst]
+            if dst != rank and bool((self._owner[theirs] == rank).any()):
+                sends.append((dst, positions(theirs[self._owner[theirs] == rank])))
+        self._calls[("transfers", rank)] = receives, sends
+        return receives, sends
 
     def received_fraction(self) -> float:
-        """Other ranks' chunks the ranks' queries list, over what a whole all-gather moves."""
-        world, per_rank = self.plan.world_size, len(self.plan.chunks[0])
+        """Other ranks' KV blocks the ranks' queries list, over what a whole all-gather moves."""
+        world = self.plan.world_size
         if world == 1:
             return 0.0
-        received = sum(len(chunks) - sum(c in self.plan.chunks[r] for c in chunks)
-                       for r, chunks in enumerate(self.needed_chunks))
-        return received / (world * (world - 1) * per_rank)
+        received = sum(int((self._owner[blocks] != r).sum()) for r, blocks in enumerate(self.needed_blocks))
+        return received / ((world - 1) * sum(b.numel() for b in self._kv_blocks))
 
     def gathers_all(self) -> bool:
         """Whether the gather moves every rank's keys (one all-gather collective) rather
-        than each rank's listed chunks peer to peer: where the listed chunks are more than
+        than each rank's listed blocks peer to peer: where the listed blocks are more than
         GATHER_ALL_FRACTION of the whole."""
         return self.received_fraction() > GATHER_ALL_FRACTION
