@@ -1,9 +1,9 @@
 """What one rank's attention calls see: local BlockMasks and mods in global positions.
 
 A rank's queries are its plan positions; the keys of a call are one rank's positions (a
-ring step) or the blocks its queries list, in owner-rank then local order (the gather). The local mask is the global
-mask's block flags at those query rows and key columns (chunks are whole blocks, so this
-is exact), and its mask_mod and the call's score_mod see global positions: they index
+ring step) or the blocks its queries list, in owner-rank then local order (the gather).
+The local mask is the global mask's block flags at those query rows and key columns
+(chunks are whole blocks, so this is exact), and its mask_mod and the call's score_mod see global positions: they index
 the captured position tables with the local indices. Built once per (mask, plan, rank)
 and reused by every call (``LocalMasks``).
 """
@@ -106,11 +106,13 @@ class LocalMasks:
             wanted = listed[self._q_blocks[r]].any(0)[everything]
             # Queries that list nothing still make one (empty) call: on their own keys.
             self.needed_blocks.append(everything[wanted].cpu() if wanted.any() else self._kv_blocks[r].cpu())
-        # LocalCalls by (rank, KV blocks), gathered calls and transfers by (kind, rank).
-        self._calls: dict[tuple, Any] = {}
+        # Built once: LocalCalls and the gather's transfers by (kind, rank[, KV rank]), the
+        # gather's choice under "gathers_all".
+        self._calls: dict[Any, Any] = {}
 
-    def _call(self, rank: int, kv_ranks: tuple[int, ...], kv_blocks: Tensor) -> LocalCall:
-        key = (rank, tuple(kv_blocks.tolist()))
+    def _call(self, key: tuple, rank: int, kv_ranks: tuple[int, ...], kv_blocks: Tensor) -> LocalCall:
+        """Rank ``rank``'s call on the keys of ``kv_blocks`` (global KV block ids, in the
+        order the call's keys are laid out), built once under ``key``."""
         if key not in self._calls:
             rows = self._q_blocks[rank]
             cols = kv_blocks.to(rows.device)
@@ -130,7 +132,7 @@ class LocalMasks:
         return self._calls[key]
 
     def ring_call(self, rank: int, kv_rank: int) -> LocalCall:
-        return self._call(rank, (kv_rank,), self._kv_blocks[kv_rank].cpu())
+        return self._call(("ring", rank, kv_rank), rank, (kv_rank,), self._kv_blocks[kv_rank].cpu())
 
     def gathered_blocks(self, rank: int) -> Tensor:
         """The KV blocks of rank ``rank``'s gathered call: every block in rank order where
@@ -143,7 +145,7 @@ class LocalMasks:
         if ("gathered", rank) not in self._calls:
             blocks = self.gathered_blocks(rank)
             owners = tuple(sorted(set(self._owner[blocks].tolist())))
-            self._calls[("gathered", rank)] = self._call(rank, owners, blocks)
+            self._call(("gathered", rank), rank, owners, blocks)
         return self._calls[("gathered", rank)]
 
     def transfers(self, rank: int) -> tuple[list[tuple[int, Tensor]], list[tuple[int, Tensor]]]:
@@ -181,4 +183,6 @@ class LocalMasks:
         """Whether the gather moves every rank's keys (one all-gather collective) rather
         than each rank's listed blocks peer to peer: where the listed blocks are more than
         GATHER_ALL_FRACTION of the whole."""
-        return self.received_fraction() > GATHER_ALL_FRACTION
+        if "gathers_all" not in self._calls:
+            self._calls["gathers_all"] = self.received_fraction() > GATHER_ALL_FRACTION
+        return self._calls["gathers_all"]
