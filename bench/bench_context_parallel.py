@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexattn  # noqa: E402
 from flexattn import mods  # noqa: E402
 from flexattn.distributed import ContextParallelAttention  # noqa: E402
+from flexattn.distributed.local import LocalMasks  # noqa: E402
 
 H, D, BLOCK = 16, 128, 128
 #: CUDA with NCCL; without a GPU, the CPU with gloo (a smoke test of the script).
@@ -127,7 +128,8 @@ def run_flexattn(name, S, strategy, rank, full, expected, args):
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     q, k, v = (t.detach().requires_grad_() for t in local[:3])
     ms = timed(fwd_bwd(attention, q, k, v, local[3]), args.reps, args.warmup)
-    return ms, attention.plan.imbalance, float(diff)
+    received = LocalMasks(bm, attention.plan, None, torch.device(DEVICE)).received_fraction()
+    return ms, attention.plan.imbalance, float(diff), received
 
 
 def run_peer(name, S, world, full, args):
@@ -186,7 +188,10 @@ def main() -> None:
             single, expected = run_single(name, S, full, args)
             row = {"S": S, "mask": name, "world": world, "single_gpu_ms": single}
             for strategy in args.strategies.split(","):
-                ms, imbalance, diff = run_flexattn(name, S, strategy, rank, full, expected, args)
+                ms, imbalance, diff, received = run_flexattn(name, S, strategy, rank, full, expected, args)
+                # The share of a whole all-gather's keys the ranks' queries list (the gather
+                # moves only those where it is at most GATHER_ALL_FRACTION).
+                row["listed_kv_fraction"] = received
                 row[f"{strategy}_ms"] = ms
                 row[f"{strategy}_efficiency"] = single / (world * ms)
                 row[f"{strategy}_max_diff_vs_1gpu"] = diff
