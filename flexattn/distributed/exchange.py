@@ -151,7 +151,6 @@ class AllGather(torch.autograd.Function):
         return mine, None, None, None
 
 
-
 class BlockGather(torch.autograd.Function):
     """The KV blocks of packed keys and values this rank's queries list, in owner-rank
     then local order (``LocalMasks.needed_blocks``): its own taken in place, the others
@@ -163,8 +162,6 @@ class BlockGather(torch.autograd.Function):
     def forward(ctx, kv: Tensor, masks: LocalMasks, rank: int, group) -> Tensor:
         kv = kv.contiguous()
         receives, sends = masks.transfers(rank)
-        receives = [(src, positions.to(kv.device)) for src, positions in receives]
-        sends = [(dst, positions.to(kv.device)) for dst, positions in sends]
         pieces, ops = [], []
         for src, positions in receives:
             if src == rank:

@@ -3,8 +3,8 @@
 A rank's queries are its plan positions; the keys of a call are one rank's positions (a
 ring step) or the blocks its queries list, in owner-rank then local order (the gather).
 The local mask is the global mask's block flags at those query rows and key columns
-(chunks are whole blocks, so this is exact), and its mask_mod and the call's score_mod see global positions: they index
-the captured position tables with the local indices. Built once per (mask, plan, rank)
+(chunks are whole blocks, so this is exact), and its mask_mod and the call's score_mod
+see global positions: they index the captured position tables with the local indices. Built once per (mask, plan, rank)
 and reused by every call (``LocalMasks``).
 """
 
@@ -101,45 +101,45 @@ class LocalMasks:
             self._owner[ids] = r
             self._local_index[ids] = torch.arange(ids.numel())
         everything = torch.cat(self._kv_blocks)
+        self._all_kv_blocks = everything.cpu()
         self.needed_blocks = []
         for r in range(world):
-            wanted = listed[self._q_blocks[r]].any(0)[everything]
+            wanted = listed[self._q_blocks[r]].any(0)[everything].cpu()
             # Queries that list nothing still make one (empty) call: on their own keys.
-            self.needed_blocks.append(everything[wanted].cpu() if wanted.any() else self._kv_blocks[r].cpu())
+            self.needed_blocks.append(self._all_kv_blocks[wanted] if wanted.any() else self._kv_blocks[r].cpu())
         # Built once: LocalCalls and the gather's transfers by (kind, rank[, KV rank]), the
         # gather's choice under "gathers_all".
         self._calls: dict[Any, Any] = {}
 
-    def _call(self, key: tuple, rank: int, kv_ranks: tuple[int, ...], kv_blocks: Tensor) -> LocalCall:
-        """Rank ``rank``'s call on the keys of ``kv_blocks`` (global KV block ids, in the
-        order the call's keys are laid out), built once under ``key``."""
-        if key not in self._calls:
-            rows = self._q_blocks[rank]
-            cols = kv_blocks.to(rows.device)
+    def _call(self, key: tuple, rank: int, kv_ranks: tuple[int, ...], kv_blocks: Tensor) -> None:
+        """Build rank ``rank``'s call on the keys of ``kv_blocks`` (global KV block ids, in
+        the order the call's keys are laid out) under ``key``."""
+        rows = self._q_blocks[rank]
+        cols = kv_blocks.to(rows.device)
 
-            def pick(flags: Tensor | None) -> Tensor | None:
-                return None if flags is None else flags.index_select(-2, rows).index_select(-1, cols)
+        def pick(flags: Tensor | None) -> Tensor | None:
+            return None if flags is None else flags.index_select(-2, rows).index_select(-1, cols)
 
-            partial, full = pick(self._partial), pick(self._full)
-            q_pos = self._positions[rank]
-            kv_pos = block_positions(kv_blocks, self.block_mask.BLOCK_SIZE[1]).to(self.device)
-            length = (q_pos.numel(), kv_pos.numel())
-            mask = _from_block_flags(partial, full, length, self.block_mask.BLOCK_SIZE,
-                                     global_mask_mod(self.block_mask.mask_mod, q_pos, kv_pos)).to(self.device)
-            score_mod = None if self.score_mod is None else global_score_mod(self.score_mod, q_pos, kv_pos)
-            blocks = int(partial.sum()) + (int(full.sum()) if full is not None else 0)
-            self._calls[key] = LocalCall(kv_ranks, mask, score_mod, blocks)
-        return self._calls[key]
+        partial, full = pick(self._partial), pick(self._full)
+        q_pos = self._positions[rank]
+        kv_pos = block_positions(kv_blocks, self.block_mask.BLOCK_SIZE[1]).to(self.device)
+        length = (q_pos.numel(), kv_pos.numel())
+        mask = _from_block_flags(partial, full, length, self.block_mask.BLOCK_SIZE,
+                                 global_mask_mod(self.block_mask.mask_mod, q_pos, kv_pos)).to(self.device)
+        score_mod = None if self.score_mod is None else global_score_mod(self.score_mod, q_pos, kv_pos)
+        blocks = int(partial.sum()) + (int(full.sum()) if full is not None else 0)
+        self._calls[key] = LocalCall(kv_ranks, mask, score_mod, blocks)
 
     def ring_call(self, rank: int, kv_rank: int) -> LocalCall:
-        return self._call(("ring", rank, kv_rank), rank, (kv_rank,), self._kv_blocks[kv_rank].cpu())
+        key = ("ring", rank, kv_rank)
+        if key not in self._calls:
+            self._call(key, rank, (kv_rank,), self._kv_blocks[kv_rank].cpu())
+        return self._calls[key]
 
     def gathered_blocks(self, rank: int) -> Tensor:
         """The KV blocks of rank ``rank``'s gathered call: every block in rank order where
         the gather is a whole all-gather (``gathers_all``), else ``needed_blocks[rank]``."""
-        if self.gathers_all():
-            return torch.cat(self._kv_blocks).cpu()
-        return self.needed_blocks[rank]
+        return self._all_kv_blocks if self.gathers_all() else self.needed_blocks[rank]
 
     def gathered_call(self, rank: int) -> LocalCall:
         if ("gathered", rank) not in self._calls:
@@ -150,26 +150,24 @@ class LocalMasks:
 
     def transfers(self, rank: int) -> tuple[list[tuple[int, Tensor]], list[tuple[int, Tensor]]]:
         """The gather's peer-to-peer transfers of rank ``rank``: (source or destination
-        rank, token positions in the owner's shard) of the blocks it receives from each
-        source and sends to each destination, sources and destinations in rank order;
-        its own listed blocks are the entry with source ``rank``."""
-        if ("transfers", rank) in self._calls:
-            return self._calls[("transfers", rank)]
-        kv_block = self.block_mask.BLOCK_SIZE[1]
+        rank, token positions in the owner's shard, on the calls' device) of the blocks it
+        receives from each source and sends to each destination, sources and destinations
+        in rank order; its own listed blocks are the entry with source ``rank``."""
+        key = ("transfers", rank)
+        if key not in self._calls:
+            kv_block = self.block_mask.BLOCK_SIZE[1]
 
-        def positions(blocks: Tensor) -> Tensor:
-            return block_positions(self._local_index[blocks], kv_block)
+            def owned_by(blocks: Tensor, owner: int) -> Tensor | None:
+                """Positions of those of ``blocks`` ``owner`` owns, None if none."""
+                blocks = blocks[self._owner[blocks] == owner]
+                return block_positions(self._local_index[blocks], kv_block).to(self.device) if blocks.numel() else None
 
-        mine = self.needed_blocks[rank]
-        receives = [(src, positions(mine[self._owner[mine] == src])) for src in range(self.plan.world_size)
-                    if bool((self._owner[mine] == src).any())]
-        sends = []
-        for dst in range(self.plan.world_size):
-            theirs = self.needed_blocks[dst]
-            if dst != rank and bool((self._owner[theirs] == rank).any()):
-                sends.append((dst, positions(theirs[self._owner[theirs] == rank])))
-        self._calls[("transfers", rank)] = receives, sends
-        return receives, sends
+            world = self.plan.world_size
+            receives = [(src, owned_by(self.needed_blocks[rank], src)) for src in range(world)]
+            sends = [(dst, owned_by(self.needed_blocks[dst], rank)) for dst in range(world) if dst != rank]
+            self._calls[key] = ([(r, p) for r, p in receives if p is not None],
+                                [(r, p) for r, p in sends if p is not None])
+        return self._calls[key]
 
     def received_fraction(self) -> float:
         """Other ranks' KV blocks the ranks' queries list, over what a whole all-gather moves."""

@@ -70,13 +70,6 @@ class ShardPlan:
         _check_rank(rank, self.world_size)
         return self._positions[rank].to(device) if device is not None else self._positions[rank]
 
-    def owner(self, chunk: int) -> int:
-        """The rank that owns chunk ``chunk``."""
-        for rank, chunks in enumerate(self.chunks):
-            if chunk in chunks:
-                return rank
-        raise ValueError(f"flexattn: chunk must be in [0, {self.world_size * len(self.chunks[0])}), got {chunk!r}")
-
     def shard(self, tensor: Tensor, rank: int, dim: int = 2) -> Tensor:
         """Rank ``rank``'s part of a whole-sequence ``tensor`` (sequence along ``dim``)."""
         _check_seq_dim(tensor, dim, self.seq_len, "tensor")
