@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 from torch.nn.attention import flex_attention as tflex
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench_cudagraph
 
 import flexattn
 from flexattn import mods
+from _in_turn import medians_in_turn
 
 VARIANTS = {
     "index": {"REVERSED_Q_TILES": False},
@@ -54,6 +54,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B={B} H={H} bf16, timer {args.timer}, "
           f"{args.rounds} rounds in turn; variants {json.dumps(variants)}", flush=True)
     names = list(variants) + ["torch"]
+    timer = (lambda call: do_bench_cudagraph(call, rep=100)) if args.timer == "graph" else None
     print("| S | D | mask | " + " | ".join(f"{n} us" for n in names) + " | "
           + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
     print("| --- " * (3 + 2 * len(names) - 1) + "|")
@@ -69,17 +70,8 @@ def main() -> None:
                 fns = {name: torch.compile(lambda q, k, v, o=opts: flexattn.flex_attention(
                     q, k, v, block_mask=bm, kernel_options=o)) for name, opts in variants.items()}
                 fns["torch"] = torch.compile(lambda q, k, v: tflex.flex_attention(q, k, v, block_mask=tbm))
-                for f in fns.values():
-                    f(q, k, v)
-                torch.cuda.synchronize()
-                times = {name: [] for name in fns}
-                for _ in range(args.rounds):
-                    for name, f in fns.items():
-                        call = lambda f=f: f(q, k, v)  # noqa: E731
-                        ms = do_bench_cudagraph(call, rep=100) if args.timer == "graph" \
-                            else do_bench(call, warmup=25, rep=100)
-                        times[name].append(ms)
-                med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                med = {name: ms * 1e3 for name, ms in medians_in_turn(fns, q, k, v, rounds=args.rounds,
+                                                                        timer=timer).items()}
                 base = med[names[0]]
                 print(f"| {S} | {D} | {mask} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | "
                       + " | ".join(f"{med[n] / base:.3f}" for n in names[1:]) + " |", flush=True)
