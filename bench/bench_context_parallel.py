@@ -147,8 +147,9 @@ def run_peer(name, S, world, full, args):
         return f"{type(error).__name__}: {error}"
     try:
         mesh = init_device_mesh(DEVICE, (world,), mesh_dim_names=("cp",))
+        # _compile: torch's eager mask builder materialises the S x S mask (128 GiB at 131072).
         bm = torch_flex.create_block_mask(mask_mod(name, S, DEVICE), None, None, S, S, device=DEVICE,
-                                          BLOCK_SIZE=BLOCK)
+                                          BLOCK_SIZE=BLOCK, _compile=True)
         compiled = torch.compile(torch_flex.flex_attention)
 
         class Attention(torch.nn.Module):
