@@ -8,9 +8,10 @@ backward together:
 * ``sdpa_dropout``      ``scaled_dot_product_attention`` with ``dropout_p=0.1`` on its
                         flash backend (FlashAttention-2's dropout), ``is_causal`` for causal
                         cases (on a CPU: whatever backend SDPA picks);
+* ``sdpa``              the same without dropout: what dropout costs FlashAttention-2;
 
 causal and unmasked, S=8192, D=64 and 128, bfloat16. Prints median ms and the ratios
-dropout / no dropout and flexattn_dropout / sdpa_dropout, and writes
+dropout / no dropout (flexattn's and SDPA's) and flexattn_dropout / sdpa_dropout, and writes
 ``dropout-<gpu>-<stamp>.json`` to bench/results.
 
     python bench/bench_dropout.py              # the suite, 5 rounds
@@ -48,10 +49,12 @@ def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -
                for n in (case.L, case.S, case.S))
     grad_out = torch.randn(case.B, case.H, case.L, case.D, device=device, dtype=dtype)
     causal = case.mask == "causal"
-    if impl == "sdpa_dropout":
+    if impl in ("sdpa_dropout", "sdpa"):
+        p = DROPOUT_P if impl == "sdpa_dropout" else 0.0
+
         def attend(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else contextlib.nullcontext():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=DROPOUT_P, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
     else:
         block_mask = flexattn.create_block_mask(mods.causal_mask, None, None, case.L, case.S,
                                                 device=device) if causal else None
@@ -67,9 +70,10 @@ def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -
     return run
 
 
-DROPOUT = Feature("dropout", __doc__.splitlines()[0], ("flexattn", "flexattn_dropout", "sdpa_dropout"), suite,
-                  make_call, {"dropout_over_plain": ("flexattn_dropout", "flexattn"),
-                              "dropout_over_sdpa": ("flexattn_dropout", "sdpa_dropout")})
+DROPOUT = Feature("dropout", __doc__.splitlines()[0], ("flexattn", "flexattn_dropout", "sdpa_dropout", "sdpa"),
+                  suite, make_call, {"dropout_over_plain": ("flexattn_dropout", "flexattn"),
+                                     "dropout_over_sdpa": ("flexattn_dropout", "sdpa_dropout"),
+                                     "sdpa_dropout_over_sdpa": ("sdpa_dropout", "sdpa")})
 
 if __name__ == "__main__":
     main(DROPOUT)

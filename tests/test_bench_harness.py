@@ -252,11 +252,11 @@ def test_sinks_benchmark_dry_run(tmp_path, monkeypatch):
 
 def test_dropout_benchmark_dry_run(tmp_path, monkeypatch):
     """bench/bench_dropout.py runs and records every case: flexattn with and without
-    dropout and SDPA with the same dropout_p, and their ratios."""
+    dropout and SDPA with the same dropout_p and without, and their ratios."""
     monkeypatch.syspath_prepend(str(BENCH))
     dropout = _load("bench_dropout")
     report = dropout.main(dropout.DROPOUT, ["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
     assert json.loads(next(tmp_path.glob("dropout-cpu-*.json")).read_text())["rows"]
     for row in report["rows"]:
         assert set(row["median_ms"]) == set(dropout.DROPOUT.impls), row
-        assert row["dropout_over_plain"] > 0 and row["dropout_over_sdpa"] > 0
+        assert row["dropout_over_plain"] > 0 and row["dropout_over_sdpa"] > 0 and row["sdpa_dropout_over_sdpa"] > 0
