@@ -34,6 +34,16 @@ S = 256
 B, HQ, D = 1, 2, 16
 DOCS = torch.tensor([0] * 40 + [1] * 100 + [2] * 20 + [3] * 96)
 WINDOW = 40
+LAG = 24
+#: The lagged mask's first queries see fewer keys: contiguous shards are 14% apart.
+MAX_IMBALANCE = {"lagged": 0.2}
+
+
+def _lagged(b, h, q_idx, kv_idx):
+    """A window of keys LAG to LAG + WINDOW behind (the first LAG queries: the keys up to
+    their own): a rank's queries then skip its last own blocks (only later ranks read those)."""
+    lag = q_idx - kv_idx
+    return ((lag >= LAG) & (lag < LAG + WINDOW)) | ((q_idx < LAG) & (lag >= 0))
 
 
 def _mask_mod(name: str):
@@ -43,6 +53,8 @@ def _mask_mod(name: str):
         return mods.document_mask(DOCS)
     if name == "sliding":
         return mods.sliding_window(WINDOW)
+    if name == "lagged":
+        return _lagged
     raise ValueError(name)
 
 
@@ -112,10 +124,10 @@ def test_shard_unshard_round_trip():
         plan.shard(x, 4)
 
 
-@pytest.mark.parametrize("name", ["causal", "document", "sliding"])
+@pytest.mark.parametrize("name", ["causal", "document", "sliding", "lagged"])
 def test_local_masks_select_the_global_mask(name):
     mask = _block_mask(name)
-    plan = plan_context_parallel(mask, 4)
+    plan = plan_context_parallel(mask, 4, max_imbalance=MAX_IMBALANCE.get(name, 0.05))
     masks = LocalMasks(mask, plan, None, torch.device("cpu"))
     dense = flexattn.create_mask(mask.mask_mod, 1, 1, S, S, device="cpu")[0, 0]
     for rank in range(4):
@@ -150,6 +162,13 @@ def test_local_masks_select_the_global_mask(name):
         # What each rank sends is what its destination receives from it.
         for dst, positions in sends:
             assert any(src == rank and torch.equal(p, positions) for src, p in masks.transfers(dst)[0])
+        # The gradients that come back land at the union of what this rank sends.
+        union, indices = masks.returned(rank)
+        for (_, positions), index in zip(sends, indices):
+            assert torch.equal(union[index], positions)
+    own_listed = [next(p.numel() for src, p in masks.transfers(r)[0] if src == r) for r in range(4)]
+    # Every mask here but the lagged one lists all of a rank's own blocks for its queries.
+    assert (min(own_listed) < plan.local_len) is (name == "lagged")
 
 
 def test_errors_without_a_process_group():
@@ -196,7 +215,7 @@ def _check_rank(name: str, strategy: str, rank: int, world: int) -> None:
     ref = _whole_sequence(name, q, k, v, grad_out, grad_lse, table, dtype)
     mask = _block_mask(name)
     attention = ContextParallelAttention(mask, _score_mod(name, table), strategy=strategy, scale=D ** -0.5,
-                                         enable_gqa=name == "gqa")
+                                         enable_gqa=name == "gqa", max_imbalance=MAX_IMBALANCE.get(name, 0.05))
     plan = attention.plan
     shards = [attention.shard(t.detach()).requires_grad_() for t in (q, k, v)]
     out, lse = attention(*shards, return_lse=True)
@@ -230,7 +249,8 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]])
 CASES = {
     2: [("causal", "ring"), ("document", "ring"), ("sliding", "auto"), ("alibi", "allgather"),
         ("learnable_bias", "ring"), ("gqa", "auto"), ("document", "allgather")],
-    4: [("causal", "ring"), ("document", "allgather"), ("learnable_bias", "ring"), ("sliding", "allgather")],
+    4: [("causal", "ring"), ("document", "allgather"), ("learnable_bias", "ring"), ("sliding", "allgather"),
+        ("lagged", "allgather")],
 }
 
 

@@ -153,44 +153,58 @@ class AllGather(torch.autograd.Function):
 
 class BlockGather(torch.autograd.Function):
     """The KV blocks of packed keys and values this rank's queries list, in owner-rank
-    then local order (``LocalMasks.needed_blocks``): its own taken in place, the others
+    then local order (``LocalMasks.needed_blocks``): its own copied in, the others
     received from their owners, each rank sending every peer the blocks that peer lists
-    (``LocalMasks.transfers``). The backward sends each received block's gradient back to
-    its owner and adds what comes back to this rank's own."""
+    (``LocalMasks.transfers``). The backward places the own blocks' gradient (each listed
+    once: no sum), sends each received block's gradient back to its owner and adds what
+    comes back, in float32, at the positions the peers read (``LocalMasks.returned``)."""
 
     @staticmethod
     def forward(ctx, kv: Tensor, masks: LocalMasks, rank: int, group) -> Tensor:
         kv = kv.contiguous()
         receives, sends = masks.transfers(rank)
-        pieces, ops = [], []
-        for src, positions in receives:
+        gathered = kv.new_empty((*kv.shape[:2], sum(p.numel() for _, p in receives), kv.shape[3]))
+        slots = gathered.split([positions.numel() for _, positions in receives], dim=2)
+        ops, received = [], []
+        for (src, positions), slot in zip(receives, slots):
             if src == rank:
-                pieces.append(kv.index_select(2, positions))
+                # Every own block listed: they are the shard itself, in order.
+                slot.copy_(kv if positions.numel() == kv.shape[2] else kv.index_select(2, positions))
             else:
-                pieces.append(kv.new_empty((*kv.shape[:2], positions.numel(), kv.shape[3])))
-                ops.append(dist.P2POp(dist.irecv, pieces[-1], _peer(group, src), group, tag=1))
+                received.append((slot, torch.empty(slot.shape, dtype=kv.dtype, device=kv.device)))
+                ops.append(dist.P2POp(dist.irecv, received[-1][1], _peer(group, src), group, tag=1))
         outgoing = [kv.index_select(2, positions) for _, positions in sends]
         ops += [dist.P2POp(dist.isend, t, _peer(group, dst), group, tag=1) for (dst, _), t in zip(sends, outgoing)]
         _wait(_start(ops))
-        ctx.rank, ctx.group, ctx.receives, ctx.sends, ctx.kv_shape = rank, group, receives, sends, kv.shape
-        return torch.cat(pieces, dim=2)
+        for slot, piece in received:
+            slot.copy_(piece)
+        ctx.masks, ctx.rank, ctx.group, ctx.kv_shape = masks, rank, group, kv.shape
+        return gathered
 
     @staticmethod
     def backward(ctx, dgathered: Tensor):
-        rank, group = ctx.rank, ctx.group
-        dkv = torch.zeros(ctx.kv_shape, dtype=torch.float32, device=dgathered.device)
-        sizes = [positions.numel() for _, positions in ctx.receives]
-        ops, outgoing, incoming = [], [], []
-        for (src, positions), piece in zip(ctx.receives, dgathered.split(sizes, dim=2)):
-            if src == rank:
-                dkv.index_add_(2, positions, piece.float())
-            else:
+        masks, rank, group = ctx.masks, ctx.rank, ctx.group
+        receives, sends = masks.transfers(rank)
+        dkv = None
+        ops, outgoing = [], []
+        for (src, positions), piece in zip(receives, dgathered.split([p.numel() for _, p in receives], dim=2)):
+            if src != rank:
                 outgoing.append(piece.contiguous())
                 ops.append(dist.P2POp(dist.isend, outgoing[-1], _peer(group, src), group, tag=2))
-        for dst, positions in ctx.sends:
-            incoming.append((dgathered.new_empty((*ctx.kv_shape[:2], positions.numel(), ctx.kv_shape[3])), positions))
-            ops.append(dist.P2POp(dist.irecv, incoming[-1][0], _peer(group, dst), group, tag=2))
+            elif positions.numel() == ctx.kv_shape[2]:
+                dkv = piece.clone(memory_format=torch.contiguous_format)
+            else:
+                dkv = piece.new_zeros(ctx.kv_shape).index_copy_(2, positions, piece)
+        if dkv is None:
+            dkv = dgathered.new_zeros(ctx.kv_shape)
+        incoming = [dgathered.new_empty((*ctx.kv_shape[:2], positions.numel(), ctx.kv_shape[3]))
+                    for _, positions in sends]
+        ops += [dist.P2POp(dist.irecv, t, _peer(group, dst), group, tag=2) for (dst, _), t in zip(sends, incoming)]
         _wait(_start(ops))
-        for buffer, positions in incoming:
-            dkv.index_add_(2, positions, buffer.float())
-        return dkv.to(dgathered.dtype), None, None, None
+        if incoming:
+            union, indices = masks.returned(rank)
+            total = dkv.index_select(2, union).float()
+            for index, t in zip(indices, incoming):
+                total.index_add_(2, index, t.float())
+            dkv.index_copy_(2, union, total.to(dkv.dtype))
+        return dkv, None, None, None

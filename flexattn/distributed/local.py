@@ -169,6 +169,18 @@ class LocalMasks:
                                 [(r, p) for r, p in sends if p is not None])
         return self._calls[key]
 
+    def returned(self, rank: int) -> tuple[Tensor, list[Tensor]]:
+        """Where the gradients that come back to rank ``rank`` land: the sorted union of
+        the positions it sends (``transfers``), and each send's positions as indices
+        into that union (on the calls' device)."""
+        key = ("returned", rank)
+        if key not in self._calls:
+            sends = [positions.cpu() for _, positions in self.transfers(rank)[1]]
+            union = torch.unique(torch.cat(sends)) if sends else torch.empty(0, dtype=torch.int64)
+            self._calls[key] = (union.to(self.device),
+                                [torch.searchsorted(union, positions).to(self.device) for positions in sends])
+        return self._calls[key]
+
     def received_fraction(self) -> float:
         """Other ranks' KV blocks the ranks' queries list, over what a whole all-gather moves."""
         world = self.plan.world_size
