@@ -36,7 +36,7 @@ DOCS = torch.tensor([0] * 40 + [1] * 100 + [2] * 20 + [3] * 96)
 WINDOW = 40
 LAG = 24
 #: The lagged mask's first queries see fewer keys: contiguous shards are 14% apart.
-MAX_IMBALANCE = {"lagged": 0.2}
+MAX_IMBALANCE = {"lagged": 0.2, "lead": 0.2}
 
 
 def _lagged(b, h, q_idx, kv_idx):
@@ -44,6 +44,13 @@ def _lagged(b, h, q_idx, kv_idx):
     their own): a rank's queries then skip its last own blocks (only later ranks read those)."""
     lag = q_idx - kv_idx
     return ((lag >= LAG) & (lag < LAG + WINDOW)) | ((q_idx < LAG) & (lag >= 0))
+
+
+def _lead(b, h, q_idx, kv_idx):
+    """The mirror of _lagged, keys ahead: a rank's queries skip its first own blocks, so
+    the own blocks it lists are not a prefix of its shard."""
+    lead = kv_idx - q_idx
+    return ((lead >= LAG) & (lead < LAG + WINDOW)) | ((q_idx >= S - LAG) & (lead >= 0))
 
 
 def _mask_mod(name: str):
@@ -55,6 +62,8 @@ def _mask_mod(name: str):
         return mods.sliding_window(WINDOW)
     if name == "lagged":
         return _lagged
+    if name == "lead":
+        return _lead
     raise ValueError(name)
 
 
@@ -124,7 +133,7 @@ def test_shard_unshard_round_trip():
         plan.shard(x, 4)
 
 
-@pytest.mark.parametrize("name", ["causal", "document", "sliding", "lagged"])
+@pytest.mark.parametrize("name", ["causal", "document", "sliding", "lagged", "lead"])
 def test_local_masks_select_the_global_mask(name):
     mask = _block_mask(name)
     plan = plan_context_parallel(mask, 4, max_imbalance=MAX_IMBALANCE.get(name, 0.05))
@@ -166,9 +175,12 @@ def test_local_masks_select_the_global_mask(name):
         union, indices = masks.returned(rank)
         for (_, positions), index in zip(sends, indices):
             assert torch.equal(union[index], positions)
-    own_listed = [next(p.numel() for src, p in masks.transfers(r)[0] if src == r) for r in range(4)]
-    # Every mask here but the lagged one lists all of a rank's own blocks for its queries.
-    assert (min(own_listed) < plan.local_len) is (name == "lagged")
+    own = [next(p for src, p in masks.transfers(r)[0] if src == r) for r in range(4)]
+    # Every mask here but the lagged and lead ones lists all of a rank's own blocks for its
+    # queries; those two list a prefix of them and a suffix.
+    assert (min(p.numel() for p in own) < plan.local_len) is (name in ("lagged", "lead"))
+    if name == "lead":
+        assert all(int(p[0]) > 0 for p in own)
 
 
 def test_errors_without_a_process_group():
@@ -250,7 +262,7 @@ CASES = {
     2: [("causal", "ring"), ("document", "ring"), ("sliding", "auto"), ("alibi", "allgather"),
         ("learnable_bias", "ring"), ("gqa", "auto"), ("document", "allgather")],
     4: [("causal", "ring"), ("document", "allgather"), ("learnable_bias", "ring"), ("sliding", "allgather"),
-        ("lagged", "allgather")],
+        ("lagged", "allgather"), ("lead", "allgather")],
 }
 
 

@@ -168,7 +168,8 @@ class BlockGather(torch.autograd.Function):
         ops, received = [], []
         for (src, positions), slot in zip(receives, slots):
             if src == rank:
-                # Every own block listed: they are the shard itself, in order.
+                # needed_blocks are distinct and in local order, so all L positions are
+                # the shard itself, 0..L-1.
                 slot.copy_(kv if positions.numel() == kv.shape[2] else kv.index_select(2, positions))
             else:
                 received.append((slot, torch.empty(slot.shape, dtype=kv.dtype, device=kv.device)))
