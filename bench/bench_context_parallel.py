@@ -8,6 +8,8 @@ For each total length S and mask (bfloat16, B=1, H=16, D=128, BLOCK 128), it tim
 forward + backward of the sharded sequence on the W ranks:
 
 * flexattn with each strategy (``ring``, ``allgather``; ``auto``'s choice is noted);
+  masks ``causal``, ``document`` (16 unequal documents, causal inside) and ``sliding`` (a
+  causal window of 4096 keys, at most S / 4);
 * with ``--peer``, torch's DTensor context parallel (``_ContextParallel`` with its
   FlexAttention and head-tail load balancing), where torch has it;
 * flexattn on one GPU over the whole sequence (each rank on its own GPU), whose output
@@ -39,12 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexattn  # noqa: E402
 from flexattn import mods  # noqa: E402
 from flexattn.distributed import ContextParallelAttention  # noqa: E402
+from flexattn.distributed.attention import _choose_strategy  # noqa: E402  (what "auto" picks)
 from flexattn.distributed.local import LocalMasks  # noqa: E402
 
 H, D, BLOCK = 16, 128, 128
 #: CUDA with NCCL; without a GPU, the CPU with gloo (a smoke test of the script).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DOCUMENTS = 16
+#: The sliding mask's window (causal): a rank's queries read one neighbour's last keys.
+WINDOW = 4096
 
 
 def mask_mod(name: str, S: int, device):
@@ -56,6 +61,8 @@ def mask_mod(name: str, S: int, device):
         ends = (weights.cumsum(0) / weights.sum() * S).round().long().clamp(max=S)
         ids = torch.bucketize(torch.arange(S), ends, right=True).clamp(max=DOCUMENTS - 1).to(device)
         return flexattn.and_masks(mods.causal_mask, mods.document_mask(ids))
+    if name == "sliding":
+        return mods.sliding_window(min(WINDOW, S // 4))
     raise ValueError(name)
 
 
@@ -128,8 +135,8 @@ def run_flexattn(name, S, strategy, rank, full, expected, args):
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     q, k, v = (t.detach().requires_grad_() for t in local[:3])
     ms = timed(fwd_bwd(attention, q, k, v, local[3]), args.reps, args.warmup)
-    received = LocalMasks(bm, attention.plan, None, torch.device(DEVICE)).received_fraction()
-    return ms, attention.plan.imbalance, float(diff), received
+    masks = LocalMasks(bm, attention.plan, None, torch.device(DEVICE))
+    return ms, attention.plan.imbalance, float(diff), masks.received_fraction(), _choose_strategy("auto", masks)
 
 
 def run_peer(name, S, world, full, args):
@@ -189,7 +196,8 @@ def main() -> None:
             single, expected = run_single(name, S, full, args)
             row = {"S": S, "mask": name, "world": world, "single_gpu_ms": single}
             for strategy in args.strategies.split(","):
-                ms, imbalance, diff, received = run_flexattn(name, S, strategy, rank, full, expected, args)
+                ms, imbalance, diff, received, auto = run_flexattn(name, S, strategy, rank, full, expected, args)
+                row["auto_choice"] = auto
                 # The share of a whole all-gather's keys the ranks' queries list (the gather
                 # moves only those where it is at most GATHER_ALL_FRACTION).
                 row["listed_kv_fraction"] = received
