@@ -119,8 +119,11 @@ def main(feature: Feature, argv: list[str] | None = None) -> dict:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     parser.add_argument("--rounds", type=int, default=5, help="rounds taken in turn per case")
     parser.add_argument("--cases", help="comma-separated case names (default: the whole suite)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON result")
+    parser.add_argument("--out", type=Path, help="directory for the JSON result (default bench/results; "
+                        "the dry run: bench/results/dry-run, as the attention suite's)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS_DIR / "dry-run" if args.dry_run else RESULTS_DIR
     if args.dry_run:
         args.rounds = min(args.rounds, 2)
     report = run(feature, args)

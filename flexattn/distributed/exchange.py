@@ -172,7 +172,7 @@ class BlockGather(torch.autograd.Function):
                 # the shard itself, 0..L-1.
                 slot.copy_(kv if positions.numel() == kv.shape[2] else kv.index_select(2, positions))
             else:
-                received.append((slot, torch.empty(slot.shape, dtype=kv.dtype, device=kv.device)))
+                received.append((slot, kv.new_empty(slot.shape)))
                 ops.append(dist.P2POp(dist.irecv, received[-1][1], _peer(group, src), group, tag=1))
         outgoing = [kv.index_select(2, positions) for _, positions in sends]
         ops += [dist.P2POp(dist.isend, t, _peer(group, dst), group, tag=1) for (dst, _), t in zip(sends, outgoing)]

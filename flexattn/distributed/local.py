@@ -4,8 +4,8 @@ A rank's queries are its plan positions; the keys of a call are one rank's posit
 ring step) or the blocks its queries list, in owner-rank then local order (the gather).
 The local mask is the global mask's block flags at those query rows and key columns
 (chunks are whole blocks, so this is exact), and its mask_mod and the call's score_mod
-see global positions: they index the captured position tables with the local indices. Built once per (mask, plan, rank)
-and reused by every call (``LocalMasks``).
+see global positions: they index the captured position tables with the local indices.
+Built once per (mask, plan, rank) and reused by every call (``LocalMasks``).
 """
 
 from __future__ import annotations
