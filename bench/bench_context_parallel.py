@@ -15,6 +15,10 @@ forward + backward of the sharded sequence on the W ranks:
 * flexattn on one GPU over the whole sequence (each rank on its own GPU), whose output
   and gradients the sharded runs are also compared with (``max_diff_vs_1gpu``).
 
+With ``--profile``, each rank also profiles three steps of every strategy and prints where
+its GPU time went: attention kernels, NCCL kernels (which include waiting for peers), other
+kernels (copies, casts, sums), and the rest of the step (the stream idle: host, syncs).
+
 It reports the median ms per step (the slowest rank's), the strong-scaling efficiency
 T_1(S) / (W * T_W(S)), the plan's imbalance, and flexattn's speed over the peer. Rank 0
 writes ``context-parallel-<gpu>-x<W>-<stamp>.json`` (to ``--out``, default bench/results)
@@ -135,8 +139,39 @@ def run_flexattn(name, S, strategy, rank, full, expected, args):
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     q, k, v = (t.detach().requires_grad_() for t in local[:3])
     ms = timed(fwd_bwd(attention, q, k, v, local[3]), args.reps, args.warmup)
+    if args.profile:
+        profile_steps(fwd_bwd(attention, q, k, v, local[3]), f"{name} {S} {strategy}", rank)
     masks = LocalMasks(bm, attention.plan, None, torch.device(DEVICE))
     return ms, attention.plan.imbalance, float(diff), masks.received_fraction(), _choose_strategy("auto", masks)
+
+
+def profile_steps(step, label: str, rank: int, steps: int = 3) -> None:
+    """Print this rank's GPU time per step of ``step`` by kind of kernel (see --profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync()
+        wall = (time.perf_counter() - start) * 1e3 / steps
+    kinds = {"attention": 0.0, "nccl": 0.0, "other": 0.0}
+    others = []
+    for event in prof.key_averages():
+        ms = event.self_device_time_total / 1e3 / steps
+        if ms <= 0:
+            continue
+        name = event.key
+        kind = "nccl" if "nccl" in name.lower() else "attention" if "flexattn" in name or "triton_tem" in name \
+            else "other"
+        kinds[kind] += ms
+        if kind == "other":
+            others.append((ms, name[:60]))
+    top = ", ".join(f"{name} {ms:.2f}" for ms, name in sorted(others, reverse=True)[:5])
+    print(f"[profile {label} rank {rank}] step {wall:.2f} ms: attention {kinds['attention']:.2f}, "
+          f"nccl {kinds['nccl']:.2f}, other {kinds['other']:.2f} ({top})", flush=True)
 
 
 def run_peer(name, S, world, full, args):
@@ -180,6 +215,7 @@ def main() -> None:
     parser.add_argument("--masks", default="causal,document")
     parser.add_argument("--strategies", default="ring,allgather")
     parser.add_argument("--peer", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="per rank: where each strategy's GPU time goes")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))

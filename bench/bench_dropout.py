@@ -5,6 +5,9 @@ backward together:
 
 * ``flexattn``          compiled ``flexattn.flex_attention`` without dropout;
 * ``flexattn_dropout``  the same call with ``dropout_p=0.1`` (the mask drawn in the kernels);
+* ``flexattn_dropout_dq_atomic``  the same with ``kernel_options={"DQ_ATOMIC": True}``: dQ
+                        formed in the dK/dV programs (FlashAttention-2's scheme), so the
+                        backward draws each keep mask once instead of twice;
 * ``sdpa_dropout``      ``scaled_dot_product_attention`` with ``dropout_p=0.1`` on its
                         flash backend (FlashAttention-2's dropout), ``is_causal`` for causal
                         cases (on a CPU: whatever backend SDPA picks);
@@ -58,9 +61,10 @@ def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -
     else:
         block_mask = flexattn.create_block_mask(mods.causal_mask, None, None, case.L, case.S,
                                                 device=device) if causal else None
-        p = DROPOUT_P if impl == "flexattn_dropout" else 0.0
-        attend = torch.compile(
-            lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=block_mask, dropout_p=p), fullgraph=True)
+        p = DROPOUT_P if impl.startswith("flexattn_dropout") else 0.0
+        options = {"DQ_ATOMIC": True} if impl == "flexattn_dropout_dq_atomic" else None
+        attend = torch.compile(lambda q, k, v: flexattn.flex_attention(
+            q, k, v, block_mask=block_mask, dropout_p=p, kernel_options=options), fullgraph=True)
 
     def run():
         out = attend(q, k, v)
@@ -70,9 +74,11 @@ def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -
     return run
 
 
-DROPOUT = Feature("dropout", __doc__.splitlines()[0], ("flexattn", "flexattn_dropout", "sdpa_dropout", "sdpa"),
+DROPOUT = Feature("dropout", __doc__.splitlines()[0],
+                  ("flexattn", "flexattn_dropout", "flexattn_dropout_dq_atomic", "sdpa_dropout", "sdpa"),
                   suite, make_call, {"dropout_over_plain": ("flexattn_dropout", "flexattn"),
                                      "dropout_over_sdpa": ("flexattn_dropout", "sdpa_dropout"),
+                                     "dq_atomic_dropout_over_sdpa": ("flexattn_dropout_dq_atomic", "sdpa_dropout"),
                                      "sdpa_dropout_over_sdpa": ("sdpa_dropout", "sdpa")})
 
 if __name__ == "__main__":

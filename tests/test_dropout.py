@@ -84,6 +84,17 @@ def test_forward_and_backward_match_the_reference_given_the_mask(dtype, compiled
     captured by score_mod, learnable sinks, odd lengths, dropout 0.3: out, lse and the
     gradients of q, k, v, the bias and the sinks against the reference that applies the
     mask the call reports."""
+    _check_against_the_reference(dtype, compiled, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1], ids=str)
+def test_dq_atomic_backward_matches_the_reference_given_the_mask(dtype):
+    """The same with dQ formed in the dK/dV programs (DQ_ATOMIC): one keep mask per tile
+    pair serves dK, dV and dQ."""
+    _check_against_the_reference(dtype, True, {"DQ_ATOMIC": True})
+
+
+def _check_against_the_reference(dtype, compiled, kernel_options):
     B, Hq, Hkv, E = 2, 4, 2, 16
     L, S = scaled(37, 300), scaled(45, 333)
     p = 0.3
@@ -99,7 +110,8 @@ def test_forward_and_backward_match_the_reference_given_the_mask(dtype, compiled
 
     def attend(q, k, v, bias, sinks):
         out, aux = flexattn.flex_attention(q, k, v, score_mod=_bias_mod(bias), block_mask=bm, enable_gqa=True,
-                                           sinks=sinks, dropout_p=p, return_aux=request)
+                                           sinks=sinks, dropout_p=p, return_aux=request,
+                                           kernel_options=kernel_options)
         seen["probabilities"] = aux.probabilities
         return out, aux.lse
 

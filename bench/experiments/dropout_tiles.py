@@ -3,6 +3,8 @@ registers to every tile, so the forward's and backward's defaults (chosen withou
 may no longer be best. Each case times, on the GPU, the forward with dropout under each
 forward tile config (and without dropout under the same config), then forward+backward
 with dropout under each backward config (the forward at its default), in one process.
+``--dq-atomic`` times instead the backward that forms dQ in the dK/dV programs (DQ_ATOMIC,
+one keep mask per tile pair instead of two), with and without dropout, beside the default.
 
     PYTHONPATH=. python bench/experiments/dropout_tiles.py --out bench/results
 
@@ -40,6 +42,15 @@ BACKWARD = {
           (64, 128, 128, 64, 8, 2, False), (32, 128, 128, 32, 8, 2, False), (64, 64, 64, 64, 8, 3, False),
           (64, 64, 64, 64, 4, 2, True)],
 }
+# DQ_ATOMIC backward variants: per-element atomics at the default tiles, then bulk
+# reductions through a descriptor (USE_TMA) at the tiles that measured best for them.
+DQ_ATOMIC_VARIANTS = [
+    {"DQ_ATOMIC": True},
+    {"DQ_ATOMIC": True, "bwd_num_warps": 8},
+    {"DQ_ATOMIC": True, "USE_TMA": True, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_num_warps": 8, "bwd_num_stages": 2},
+    {"DQ_ATOMIC": True, "USE_TMA": True, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_num_warps": 8,
+     "bwd_num_stages": 2},
+]
 FORWARD_KEYS = ("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_warps", "fwd_num_stages", "fwd_ONE_KV_LOOP")
 BACKWARD_KEYS = ("bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_warps",
                  "bwd_num_stages", "bwd_ONE_KV_LOOP")
@@ -56,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="causal:64,causal:128,none:128", help="mask:head_dim, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--dq-atomic", action="store_true", help="time the DQ_ATOMIC backward variants only")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 1000
     rows = []
@@ -79,6 +91,14 @@ def main() -> None:
         plain = compiled(0.0, None)
         rows.append({"case": f"{mask} D={D}", "config": "no dropout, defaults", "fwd_ms": forward_ms(plain),
                      "fwdbwd_ms": fwd_bwd_ms(plain)})
+        if args.dq_atomic:
+            for options in [None, *DQ_ATOMIC_VARIANTS]:
+                rows.append({"case": f"{mask} D={D}", "config": "bwd " + json.dumps(options),
+                             "fwdbwd_ms": fwd_bwd_ms(compiled(DROPOUT_P, options)),
+                             "plain_fwdbwd_ms": fwd_bwd_ms(compiled(0.0, options)) if options else None})
+                print(rows[-1], flush=True)
+            torch._dynamo.reset()
+            continue
         for cfg in FORWARD[D]:
             options = dict(zip(FORWARD_KEYS, cfg))
             rows.append({"case": f"{mask} D={D}", "config": "fwd " + json.dumps(list(cfg)),
@@ -98,11 +118,12 @@ def main() -> None:
     path.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "dropout_p": DROPOUT_P,
                                 "shape": [B, H, S], "rows": rows}, indent=1))
     cell = lambda x: f"{x:.3f}" if x is not None else ""  # noqa: E731
-    print("| case | config | fwd ms | fwd+bwd ms | no dropout, same config, fwd ms |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| case | config | fwd ms | fwd+bwd ms | no dropout, same config, fwd ms | no dropout, same config, "
+          "fwd+bwd ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['case']} | {row['config']} | {cell(row.get('fwd_ms'))} | {cell(row.get('fwdbwd_ms'))} | "
-              f"{cell(row.get('plain_fwd_ms'))} |")
+              f"{cell(row.get('plain_fwd_ms'))} | {cell(row.get('plain_fwdbwd_ms'))} |")
     print(f"results: {path}")
 
 
