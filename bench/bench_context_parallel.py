@@ -142,7 +142,7 @@ def run_flexattn(name, S, strategy, rank, full, expected, args):
     if args.profile:
         profile_steps(fwd_bwd(attention, q, k, v, local[3]), f"{name} {S} {strategy}", rank)
     masks = LocalMasks(bm, attention.plan, None, torch.device(DEVICE))
-    return ms, attention.plan.imbalance, float(diff), masks.received_fraction(), _choose_strategy("auto", masks)
+    return ms, attention.plan.imbalance, float(diff), masks.received_fraction(), _choose_strategy("auto")
 
 
 def profile_steps(step, label: str, rank: int, steps: int = 3) -> None:
@@ -161,7 +161,8 @@ def profile_steps(step, label: str, rank: int, steps: int = 3) -> None:
     others = []
     for event in prof.key_averages():
         ms = event.self_device_time_total / 1e3 / steps
-        if ms <= 0:
+        # Kernels only: a CPU op's self device time repeats its kernels'.
+        if ms <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = event.key
         kind = "nccl" if "nccl" in name.lower() else "attention" if "flexattn" in name or "triton_tem" in name \

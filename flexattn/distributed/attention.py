@@ -66,23 +66,39 @@ def captured_tensors(fn: Callable | None) -> list[Tensor]:
     return list(found.values())
 
 
-def _choose_strategy(strategy: str, masks: LocalMasks) -> str:
-    """``auto``: the ring when the mask lets it skip at least half of the exchanges
-    between ranks (a sliding window over contiguous shards), else the all-gather, which
-    was as fast or faster on every mask measured (bench/DECISIONS.md#cp-strategy) and
-    costs the whole sequence's keys and values on each rank where the ring keeps two
-    shards'."""
+def _choose_strategy(strategy: str) -> str:
+    """``auto``: the all-gather, which moves only the blocks a rank's queries list and
+    makes one kernel call each way: faster than the ring on every mask and length
+    measured, at 2 and 4 ranks (bench/DECISIONS.md#cp-strategy). The ring stays for
+    memory: it holds two shards' keys, where a causal mask's gather holds all of them."""
     if strategy not in STRATEGIES:
         raise ValueError(f"flexattn: strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy != "auto":
-        return strategy
-    world = masks.plan.world_size
-    pairs = sum(masks.needed[r][s] for r in range(world) for s in range(world) if r != s)
-    return "ring" if pairs * 2 <= world * (world - 1) else "allgather"
+    return "allgather" if strategy == "auto" else strategy
 
 
 def _split(kv: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
     return kv[..., :head_dim], kv[..., head_dim:]
+
+
+class _Unpack(torch.autograd.Function):
+    """Keys and values as views of their packed tensor, whose gradient is one
+    concatenation of theirs (autograd's slice backward would zero-fill the packed shape
+    once per view and add the two; bench/DECISIONS.md#cp-unpack)."""
+
+    @staticmethod
+    def forward(ctx, kv: Tensor, head_dim: int):
+        ctx.head_dim, ctx.kv_shape = head_dim, kv.shape
+        return _split(kv, head_dim)
+
+    @staticmethod
+    def backward(ctx, dk: Tensor | None, dv: Tensor | None):
+        if dk is None and dv is None:
+            return None, None
+        like = dk if dk is not None else dv
+        *lead, width = ctx.kv_shape
+        dk = dk if dk is not None else like.new_zeros((*lead, ctx.head_dim))
+        dv = dv if dv is not None else like.new_zeros((*lead, width - ctx.head_dim))
+        return torch.cat([dk, dv], dim=-1), None
 
 
 class _Setup:
@@ -94,7 +110,7 @@ class _Setup:
         self.head_dim = head_dim
 
     def attend(self, call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
-        k, v = _split(kv, self.head_dim)
+        k, v = _Unpack.apply(kv, self.head_dim)
         out, aux = flex_attention(q, k, v, score_mod=call.score_mod, block_mask=call.block_mask, scale=self.scale,
                                   enable_gqa=self.enable_gqa, kernel_options=self.kernel_options,
                                   return_aux=AuxRequest(lse=True))
@@ -243,9 +259,8 @@ def context_parallel_attention(
 
     ``strategy``: ``"ring"`` (peer-to-peer steps, overlapped with the kernels, skipping
     pairs of ranks the mask keeps apart), ``"allgather"`` (one all-gather of keys and
-    values) or ``"auto"`` (the ring where the mask keeps at least half of the pairs of
-    ranks apart, else the all-gather). Attention dropout and sinks are not supported
-    here.
+    values, or of the blocks the rank's queries list) or ``"auto"`` (the all-gather).
+    Attention dropout and sinks are not supported here.
     """
     rank, world = _group_rank(group)
     if not isinstance(plan, ShardPlan):
@@ -256,7 +271,7 @@ def context_parallel_attention(
         raise TypeError(f"flexattn: block_mask must be a BlockMask, got {type(block_mask).__name__}")
     _check_shards(query, key, value, plan)
     masks = _local_masks(block_mask, plan, score_mod, query.device)
-    chosen = _choose_strategy(strategy, masks)
+    chosen = _choose_strategy(strategy)
     if chosen == "ring":
         setup = _Setup(masks, RingExchange(masks, rank, group), scale, enable_gqa, kernel_options, key.shape[-1])
         out, lse = _Ring.apply(setup, query, key, value, *captured_tensors(score_mod))
