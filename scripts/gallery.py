@@ -143,6 +143,30 @@ def sink_picture(sink: float) -> torch.Tensor:
     return _scaled(shade.round().to(torch.uint8)[..., None].expand(S, S + 6, 3), PIXELS)
 
 
+#: name -> (the code a user writes, dropout_p drawn, the seed).
+DROPOUT = {"dropout": ("out = flexattn.flex_attention(q, k, v, block_mask=causal, dropout_p=0.3)", 0.3, 0)}
+
+
+def dropout_picture(p: float, seed: int) -> torch.Tensor:
+    """The attention weights of a causal mask over equal scores as a call with dropout
+    applies them (AuxRequest(probabilities=True)): kept weights, scaled by 1 / (1 - p),
+    dark = 1 (square-root scale); dropped ones red. The seed fixes the keep mask."""
+    q = torch.zeros(1, 1, S, 8)
+    bm = flexattn.create_block_mask(mods.causal_mask, 1, 1, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+    torch.manual_seed(seed)
+    with flexattn.eager_mods():
+        _, aux = flexattn.flex_attention(q, q, q, block_mask=bm, dropout_p=p,
+                                         return_aux=flexattn.AuxRequest(probabilities=True))
+    probabilities = aux.probabilities[0, 0]
+    # The sign bit is the keep mask's at every entry; only the attended ones are drawn.
+    dropped = torch.signbit(probabilities) & flexattn.create_mask(mods.causal_mask, 1, 1, S, S, device="cpu")[0, 0]
+    shade = (255 * (1 - probabilities.clamp(0, 1).sqrt())).round()
+    red = torch.where(dropped, 230, shade)
+    green_blue = torch.where(dropped, 60, shade)
+    rgb = torch.stack([red, green_blue, green_blue], -1).to(torch.uint8)
+    return _scaled(rgb, PIXELS)
+
+
 def render() -> dict[str, bytes]:
     """Every file of docs/gallery/, by name."""
     files: dict[str, bytes] = {}
@@ -170,6 +194,12 @@ def render() -> dict[str, bytes]:
                   "out = flexattn.flex_attention(q, k, v, block_mask=causal, sinks=sinks)", "```", "",
                   "The weights of a causal mask over equal scores, dark = 1 (square-root scale); right of the",
                   "gap, the sink's share of each row.", "", f"![{name}]({name}.png)", ""]
+    for name, (code, p, seed) in DROPOUT.items():
+        files[f"{name}.png"] = png(dropout_picture(p, seed))
+        lines += [f"## `{name}` (attention dropout)", "", "```python", f"torch.manual_seed({seed})", code, "```", "",
+                  f"The weights of a causal mask over equal scores as applied with dropout_p={p}: kept ones",
+                  f"scaled by 1 / (1 - {p}), dark = 1 (square-root scale); dropped ones red (the call's",
+                  "`AuxRequest(probabilities=True)`).", "", f"![{name}]({name}.png)", ""]
     files["README.md"] = "\n".join(lines).encode()
     return files
 
