@@ -22,6 +22,20 @@ if DEVICE == "cpu":
     _compat.use_interpreter_libdevice()
 
 
+def load_example(filename: str):
+    """examples/<filename> imported as a module (the examples are scripts, not a package)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / filename
+    spec = importlib.util.spec_from_file_location(f"_example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def pytest_report_header(config):
     triton_version = "absent"
     try:

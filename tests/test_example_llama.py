@@ -9,27 +9,12 @@ step recompiles.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, load_example
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama_paged.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("_example_llama_paged", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-llama = _load()
+llama = load_example("llama_paged.py")
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of the example; on a GPU run it with --device cuda")
 
 

@@ -9,7 +9,7 @@ torch's flex, timed in turn; the permuted output is checked against the original
 
     PYTHONPATH=. python bench/experiments/lpt_emulation.py
 """
-import sys, os
+import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "experiments"))
