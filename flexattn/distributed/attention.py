@@ -109,8 +109,7 @@ class _Setup:
         self.scale, self.enable_gqa, self.kernel_options = scale, enable_gqa, kernel_options
         self.head_dim = head_dim
 
-    def attend(self, call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
-        k, v = _Unpack.apply(kv, self.head_dim)
+    def attend(self, call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         out, aux = flex_attention(q, k, v, score_mod=call.score_mod, block_mask=call.block_mask, scale=self.scale,
                                   enable_gqa=self.enable_gqa, kernel_options=self.kernel_options,
                                   return_aux=AuxRequest(lse=True))
@@ -143,7 +142,7 @@ class _Ring(torch.autograd.Function):
             raw = kv_s.detach()
             kv_leaf = raw.data.requires_grad_()
             with torch.enable_grad():
-                out_s, lse_s = setup.attend(call, q_leaf, kv_leaf)
+                out_s, lse_s = setup.attend(call, q_leaf, *_Unpack.apply(kv_leaf, setup.head_dim))
             out, lse = merge.merge(out, lse, out_s.detach(), lse_s.detach())
             steps.append((step, kv_leaf, out_s, lse_s))
             if step:
@@ -192,12 +191,12 @@ def _all_gathered(setup: _Setup, query: Tensor, key: Tensor, value: Tensor, rank
     """The all-gather strategy: one call on the keys of the blocks this rank's queries
     list (every rank's, by one all-gather, where the ranks list most of them), autograd
     through it all."""
-    kv = torch.cat([key, value], dim=-1)
     if setup.masks.gathers_all():
-        kv = AllGather.apply(kv, group, world, rank)
+        kv = AllGather.apply(torch.cat([key, value], dim=-1), group, world, rank)
+        key, value = _Unpack.apply(kv, setup.head_dim)
     else:
-        kv = BlockGather.apply(kv, setup.masks, rank, group)
-    return setup.attend(setup.masks.gathered_call(rank), query, kv)
+        key, value = BlockGather.apply(setup.masks, rank, group, key, value)
+    return setup.attend(setup.masks.gathered_call(rank), query, key, value)
 
 
 _MASKS: "weakref.WeakKeyDictionary[BlockMask, dict]" = weakref.WeakKeyDictionary()

@@ -1,6 +1,7 @@
 """Moving keys and values between ranks, and their gradients back, on torch.distributed.
 
-Keys and values travel packed as one tensor (B, Hkv, S, E + Ev).
+The ring and the all-gather move keys and values packed as one tensor (B, Hkv, S,
+E + Ev); the block gather moves them side by side.
 
 * ``RingExchange``: W steps; at step t rank r reads rank (r - t) mod W's keys, sent
   directly by their owner (no relaying), so a pair of ranks whose blocks are all masked
@@ -152,60 +153,64 @@ class AllGather(torch.autograd.Function):
 
 
 class BlockGather(torch.autograd.Function):
-    """The KV blocks of packed keys and values this rank's queries list, in owner-rank
-    then local order (``LocalMasks.needed_blocks``): its own copied in, the others
-    received from their owners, each rank sending every peer the blocks that peer lists
+    """The KV blocks this rank's queries list of each of ``parts`` (keys and values,
+    gathered side by side so nothing packs them), in owner-rank then local order
+    (``LocalMasks.needed_blocks``): its own copied in, the others received from their
+    owners, each rank sending every peer the blocks that peer lists
     (``LocalMasks.transfers``). The backward places the own blocks' gradient (each listed
     once: no sum), sends each received block's gradient back to its owner and adds what
     comes back, in float32, at the positions the peers read (``LocalMasks.returned``)."""
 
     @staticmethod
-    def forward(ctx, kv: Tensor, masks: LocalMasks, rank: int, group) -> Tensor:
-        kv = kv.contiguous()
+    def forward(ctx, masks: LocalMasks, rank: int, group, *parts: Tensor) -> tuple[Tensor, ...]:
+        parts = tuple(part.contiguous() for part in parts)
         receives, sends = masks.transfers(rank)
-        gathered = kv.new_empty((*kv.shape[:2], sum(p.numel() for _, p in receives), kv.shape[3]))
-        slots = gathered.split([positions.numel() for _, positions in receives], dim=2)
-        ops, received = [], []
-        for (src, positions), slot in zip(receives, slots):
-            if src == rank:
-                # needed_blocks are distinct and in local order, so all L positions are
-                # the shard itself, 0..L-1.
-                slot.copy_(kv if positions.numel() == kv.shape[2] else kv.index_select(2, positions))
-            else:
-                received.append((slot, kv.new_empty(slot.shape)))
-                ops.append(dist.P2POp(dist.irecv, received[-1][1], _peer(group, src), group, tag=1))
-        outgoing = [kv.index_select(2, positions) for _, positions in sends]
-        ops += [dist.P2POp(dist.isend, t, _peer(group, dst), group, tag=1) for (dst, _), t in zip(sends, outgoing)]
+        sizes = [positions.numel() for _, positions in receives]
+        ops, received, gathered = [], [], []
+        for tag, part in enumerate(parts, start=1):
+            gathered.append(part.new_empty((*part.shape[:2], sum(sizes), part.shape[3])))
+            for (src, positions), slot in zip(receives, gathered[-1].split(sizes, dim=2)):
+                if src == rank:
+                    # needed_blocks are distinct and in local order, so all L positions are
+                    # the shard itself, 0..L-1.
+                    slot.copy_(part if positions.numel() == part.shape[2] else part.index_select(2, positions))
+                else:
+                    received.append((slot, part.new_empty(slot.shape)))
+                    ops.append(dist.P2POp(dist.irecv, received[-1][1], _peer(group, src), group, tag=tag))
+            ops += [dist.P2POp(dist.isend, part.index_select(2, positions), _peer(group, dst), group, tag=tag)
+                    for dst, positions in sends]
         _wait(_start(ops))
         for slot, piece in received:
             slot.copy_(piece)
-        ctx.masks, ctx.rank, ctx.group, ctx.kv_shape = masks, rank, group, kv.shape
-        return gathered
+        ctx.masks, ctx.rank, ctx.group = masks, rank, group
+        ctx.shapes = [part.shape for part in parts]
+        return tuple(gathered)
 
     @staticmethod
-    def backward(ctx, dgathered: Tensor):
+    def backward(ctx, *dgathered: Tensor):
         masks, rank, group = ctx.masks, ctx.rank, ctx.group
         receives, sends = masks.transfers(rank)
-        dkv = None
-        ops, outgoing = [], []
-        for (src, positions), piece in zip(receives, dgathered.split([p.numel() for _, p in receives], dim=2)):
-            if src != rank:
-                outgoing.append(piece.contiguous())
-                ops.append(dist.P2POp(dist.isend, outgoing[-1], _peer(group, src), group, tag=2))
-            elif positions.numel() == ctx.kv_shape[2]:
-                dkv = piece.clone(memory_format=torch.contiguous_format)
-            else:
-                dkv = piece.new_zeros(ctx.kv_shape).index_copy_(2, positions, piece)
-        if dkv is None:
-            dkv = dgathered.new_zeros(ctx.kv_shape)
-        incoming = [dgathered.new_empty((*ctx.kv_shape[:2], positions.numel(), ctx.kv_shape[3]))
-                    for _, positions in sends]
-        ops += [dist.P2POp(dist.irecv, t, _peer(group, dst), group, tag=2) for (dst, _), t in zip(sends, incoming)]
+        sizes = [positions.numel() for _, positions in receives]
+        ops, grads, incoming = [], [], []
+        for tag, (shape, dpart) in enumerate(zip(ctx.shapes, dgathered), start=1):
+            grad = None
+            for (src, positions), piece in zip(receives, dpart.split(sizes, dim=2)):
+                if src != rank:
+                    ops.append(dist.P2POp(dist.isend, piece.contiguous(), _peer(group, src), group, tag=tag))
+                elif positions.numel() == shape[2]:
+                    grad = piece.clone(memory_format=torch.contiguous_format)
+                else:
+                    grad = piece.new_zeros(shape).index_copy_(2, positions, piece)
+            grads.append(dpart.new_zeros(shape) if grad is None else grad)
+            incoming.append([dpart.new_empty((*shape[:2], positions.numel(), shape[3])) for _, positions in sends])
+            ops += [dist.P2POp(dist.irecv, t, _peer(group, dst), group, tag=tag)
+                    for (dst, _), t in zip(sends, incoming[-1])]
         _wait(_start(ops))
-        if incoming:
+        if sends:
             union, indices = masks.returned(rank)
-            total = dkv.index_select(2, union).float()
-            for index, t in zip(indices, incoming):
-                total.index_add_(2, index, t.float())
-            dkv.index_copy_(2, union, total.to(dkv.dtype))
-        return dkv, None, None, None
+            for grad, pieces in zip(grads, incoming):
+                total = grad.index_select(2, union).float()
+                for index, t in zip(indices, pieces):
+                    total.index_add_(2, index, t.float())
+                grad.index_copy_(2, union, total.to(grad.dtype))
+        return (None, None, None, *grads)
