@@ -259,7 +259,7 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]])
 
 
 CASES = {
-    2: [("causal", "ring"), ("document", "ring"), ("sliding", "auto"), ("alibi", "allgather"),
+    2: [("causal", "ring"), ("document", "ring"), ("sliding", "auto"), ("sliding", "ring"), ("alibi", "allgather"),
         ("learnable_bias", "ring"), ("gqa", "auto"), ("document", "allgather")],
     4: [("causal", "ring"), ("document", "allgather"), ("learnable_bias", "ring"), ("sliding", "allgather"),
         ("lagged", "allgather"), ("lead", "allgather")],

@@ -131,9 +131,9 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, setup: _Setup, q: Tensor, k: Tensor, v: Tensor, *captured: Tensor):
         kv = torch.cat([k, v], dim=-1)
         B, H, L = q.shape[:3]
-        out = torch.zeros(B, H, L, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((B, H, L), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
-                         device=q.device)
+        acc = merge.accumulation_dtype(q.dtype)
+        out = torch.zeros(B, H, L, v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
         q_leaf = q.detach().requires_grad_()
         steps, buffers = [], {}
         for step, call, kv_s in setup.exchange.calls(kv):
@@ -162,7 +162,7 @@ class _Ring(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout
         dlse = torch.zeros_like(lse) if dlse is None else dlse
         q_leaf = ctx.q_leaf
-        dq = torch.zeros(q_leaf.shape, dtype=torch.float32, device=q_leaf.device)
+        dq = torch.zeros(q_leaf.shape, dtype=merge.accumulation_dtype(q_leaf.dtype), device=q_leaf.device)
         wanted = [t for t in captured if t.requires_grad]
         dcaptured = [None] * len(wanted)
         graphs = {step: (kv_leaf, out_s, lse_s) for step, kv_leaf, out_s, lse_s in ctx.steps}

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .local import LocalCall, LocalMasks
+from .merge import accumulation_dtype
 
 
 def _peer(group, rank: int) -> int:
@@ -89,7 +90,7 @@ class RingExchange:
                 self._post_grads(step, None, kv)
 
     def _add(self, dkv: Tensor) -> None:
-        self._dkv = dkv.float() if self._dkv is None else self._dkv.add_(dkv)
+        self._dkv = dkv.to(accumulation_dtype(dkv.dtype)) if self._dkv is None else self._dkv.add_(dkv)
 
     def give_back(self, call: LocalCall, dkv: Tensor) -> None:
         """Send the gradient of the keys ``call`` read to their owner (this rank's own
@@ -121,9 +122,12 @@ class RingExchange:
         self._pending_grads = []
 
     def collect(self, kv: Tensor) -> Tensor:
-        """This rank's key/value gradient (float32), once every step has been given back."""
+        """This rank's key/value gradient (in the accumulation dtype), once every step has
+        been given back."""
         self._finish_grads()
-        return torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if self._dkv is None else self._dkv
+        if self._dkv is None:
+            return torch.zeros(kv.shape, dtype=accumulation_dtype(kv.dtype), device=kv.device)
+        return self._dkv
 
 
 class AllGather(torch.autograd.Function):
@@ -159,7 +163,7 @@ class BlockGather(torch.autograd.Function):
     owners, each rank sending every peer the blocks that peer lists
     (``LocalMasks.transfers``). The backward places the own blocks' gradient (each listed
     once: no sum), sends each received block's gradient back to its owner and adds what
-    comes back, in float32, at the positions the peers read (``LocalMasks.returned``)."""
+    comes back, in float32 (float64 for float64), at the positions the peers read (``LocalMasks.returned``)."""
 
     @staticmethod
     def forward(ctx, masks: LocalMasks, rank: int, group, *parts: Tensor) -> tuple[Tensor, ...]:
@@ -209,8 +213,9 @@ class BlockGather(torch.autograd.Function):
         if sends:
             union, indices = masks.returned(rank)
             for grad, pieces in zip(grads, incoming):
-                total = grad.index_select(2, union).float()
+                acc = accumulation_dtype(grad.dtype)
+                total = grad.index_select(2, union).to(acc)
                 for index, t in zip(indices, pieces):
-                    total.index_add_(2, index, t.float())
+                    total.index_add_(2, index, t.to(acc))
                 grad.index_copy_(2, union, total.to(grad.dtype))
         return (None, None, None, *grads)

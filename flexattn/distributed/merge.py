@@ -15,6 +15,12 @@ import torch
 from torch import Tensor
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What partial results and gradients of ``dtype`` are summed in: float32, float64 for
+    float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _weights(lse_s: Tensor, lse: Tensor) -> Tensor:
     """exp(lse_s - lse), 0 where the merged row is empty (lse = -inf)."""
     finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
@@ -30,9 +36,10 @@ def _merge(out: Tensor, lse: Tensor, out_s: Tensor, lse_s: Tensor) -> tuple[Tens
 def _partial_grads(dout: Tensor, dlse: Tensor, out: Tensor, lse: Tensor, out_s: Tensor, lse_s: Tensor
                    ) -> tuple[Tensor, Tensor]:
     """The loss's gradient at (out_s, lse_s): w_s dout, and w_s (dout . (out_s - out) + dlse)."""
-    w = _weights(lse_s.to(lse.dtype), lse)
-    d_out_s = dout.float() * w.unsqueeze(-1)
-    d_lse_s = w * ((dout.float() * (out_s.float() - out.float())).sum(-1) + dlse.float())
+    acc = accumulation_dtype(out_s.dtype)
+    w = _weights(lse_s.to(lse.dtype), lse).to(acc)
+    d_out_s = dout.to(acc) * w.unsqueeze(-1)
+    d_lse_s = w * ((dout.to(acc) * (out_s.to(acc) - out.to(acc))).sum(-1) + dlse.to(acc))
     return d_out_s.to(out_s.dtype), d_lse_s.to(lse_s.dtype)
 
 
@@ -46,7 +53,7 @@ def _run(fn, device: torch.device):
 
 
 def merge(out: Tensor, lse: Tensor, out_s: Tensor, lse_s: Tensor) -> tuple[Tensor, Tensor]:
-    """(out, lse) merged with one more partial (out_s, lse_s); out is float32."""
+    """(out, lse) merged with one more partial (out_s, lse_s); out in its accumulation dtype."""
     return _run(_merge, out.device)(out, lse, out_s, lse_s)
 
 
