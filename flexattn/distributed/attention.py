@@ -87,17 +87,11 @@ class _Unpack(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kv: Tensor, head_dim: int):
-        ctx.head_dim, ctx.kv_shape = head_dim, kv.shape
         return _split(kv, head_dim)
 
     @staticmethod
-    def backward(ctx, dk: Tensor | None, dv: Tensor | None):
-        if dk is None and dv is None:
-            return None, None
-        like = dk if dk is not None else dv
-        *lead, width = ctx.kv_shape
-        dk = dk if dk is not None else like.new_zeros((*lead, ctx.head_dim))
-        dv = dv if dv is not None else like.new_zeros((*lead, width - ctx.head_dim))
+    def backward(ctx, dk: Tensor, dv: Tensor):
+        # Autograd materialises a missing gradient as zeros, so both are tensors.
         return torch.cat([dk, dv], dim=-1), None
 
 

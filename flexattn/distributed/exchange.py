@@ -163,7 +163,8 @@ class BlockGather(torch.autograd.Function):
     owners, each rank sending every peer the blocks that peer lists
     (``LocalMasks.transfers``). The backward places the own blocks' gradient (each listed
     once: no sum), sends each received block's gradient back to its owner and adds what
-    comes back, in float32 (float64 for float64), at the positions the peers read (``LocalMasks.returned``)."""
+    comes back, in float32 (float64 for float64), at the positions the peers read
+    (``LocalMasks.returned``)."""
 
     @staticmethod
     def forward(ctx, masks: LocalMasks, rank: int, group, *parts: Tensor) -> tuple[Tensor, ...]:

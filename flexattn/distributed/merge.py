@@ -38,8 +38,9 @@ def _partial_grads(dout: Tensor, dlse: Tensor, out: Tensor, lse: Tensor, out_s: 
     """The loss's gradient at (out_s, lse_s): w_s dout, and w_s (dout . (out_s - out) + dlse)."""
     acc = accumulation_dtype(out_s.dtype)
     w = _weights(lse_s.to(lse.dtype), lse).to(acc)
-    d_out_s = dout.to(acc) * w.unsqueeze(-1)
-    d_lse_s = w * ((dout.to(acc) * (out_s.to(acc) - out.to(acc))).sum(-1) + dlse.to(acc))
+    dout = dout.to(acc)
+    d_out_s = dout * w.unsqueeze(-1)
+    d_lse_s = w * ((dout * (out_s.to(acc) - out.to(acc))).sum(-1) + dlse.to(acc))
     return d_out_s.to(out_s.dtype), d_lse_s.to(lse_s.dtype)
 
 
