@@ -26,6 +26,16 @@ VARIANTS = {
 
 
 def mask_of(name: str, S: int):
+    """``name`` or ``name:N``: a document mask takes N-token documents (default: 8 per
+    sequence); ``padding`` keeps keys below a per-batch length between S/2 and S (a mask
+    that reads memory and keeps long rows)."""
+    name, _, arg = name.partition(":")
+    if name in ("document", "document_causal") and arg:
+        docs = mods.document_mask(torch.arange(S, device="cuda") // int(arg))
+        return docs if name == "document" else flexattn.and_masks(docs, mods.causal_mask)
+    if name == "padding":
+        lengths = torch.linspace(S // 2, S, 4, device="cuda").long()
+        return lambda b, h, q_idx, kv_idx: kv_idx < mods._lookup(lengths, b)
     if name == "causal":
         return mods.causal_mask
     if name == "document":

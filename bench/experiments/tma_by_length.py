@@ -22,7 +22,9 @@ B, H = 4, 16
 
 def masks(S):
     return {"none": None, "causal": mods.causal_mask,
-            "document": mods.document_mask(torch.arange(S, device="cuda") * 8 // S)}
+            "document": mods.document_mask(torch.arange(S, device="cuda") * 8 // S),
+            "document_causal": flexattn.and_masks(mods.document_mask(torch.arange(S, device="cuda") * 8 // S),
+                                                  mods.causal_mask)}
 
 
 def kernel_us(call, grads, n=10):
