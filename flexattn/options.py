@@ -115,8 +115,9 @@ OPTIONS: tuple[KernelOption, ...] = (
     KernelOption("FORCE_USE_FLEX_ATTENTION", "bool", False, _DEC,
                  "never use the split-KV decode kernel (torch's spelling)", "torch"),
     KernelOption("USE_TMA", "tristate", PER_CALL, _ALL,
-                 "load the Q, K, V (and dO) tiles through tensor descriptors (Hopper's copy engine) instead of "
-                 "pointer loads; True asks for it anywhere the layouts allow (else warns and uses pointers), "
+                 "load the tiles each program's loop walks (K, V; in the backward also Q, dO) through tensor "
+                 "descriptors (Hopper's copy engine) instead of pointer loads, the tiles read once per program "
+                 "through pointers; True asks for it anywhere the layouts allow (else warns and uses pointers), "
                  "False turns it off", "torch",
                  default_doc="on for 16-bit inputs on sm90+ where it measured faster: forward every head dim, "
                              "backward D 65-128, from 4096 keys, never decode "

@@ -361,7 +361,8 @@ def test_backward_kernel_options(options):
 
 
 # ONE_KV_LOOP (one walk over the partial then the full blocks, mask_mod behind a branch)
-# and USE_TMA (tensor-descriptor loads of Q, dO, K and V; the interpreter emulates them)
+# and USE_TMA (tensor-descriptor loads of the tiles each program's loop walks: Q and dO in
+# the dK/dV programs, K and V in the dQ programs; the interpreter emulates them)
 # at the edges: odd lengths, a padded head dim, GQA, captured tensors, with and without
 # full blocks.
 LOOP_AND_TMA_OPTIONS = [{"ONE_KV_LOOP": True}, {"USE_TMA": True}, {"ONE_KV_LOOP": True, "USE_TMA": True}]

@@ -280,8 +280,9 @@ def test_longest_tiles_first_covers_every_program_once():
 @pytest.mark.parametrize("use_tma", [True, False], ids=lambda t: f"USE_TMA={t}")
 @pytest.mark.parametrize("L,S,E,Ev,Hq,Hkv", [(100, 77, 40, 24, 4, 2), (33, 130, 64, 64, 2, 1)], ids=str)
 def test_tma_loads_at_the_edges(use_tma, L, S, E, Ev, Hq, Hkv):
-    """Tensor-descriptor loads past Q_LEN / KV_LEN and into the head-dim padding read 0
-    (the copy engine's zero fill), as the masked pointer loads do."""
+    """Tensor-descriptor loads past KV_LEN and into the head-dim padding read 0 (the copy
+    engine's zero fill), as the masked pointer loads do; the query tile past Q_LEN, read
+    through masked pointers either way, too."""
     n = scaled(1, 10)
     run_case(dtype=torch.float16, L=L * n, S=S * n, E=E, Ev=Ev, Hq=Hq, Hkv=Hkv, block_size=64,
              score_mod=mods.alibi(Hq, device=DEVICE), mask_mod=mods.causal_mask,
