@@ -20,7 +20,10 @@ from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 import flexattn  # noqa: E402
 from flexattn import _compat, mods  # noqa: E402
-from flexattn.lowering import backward_configs, configs  # noqa: E402
+from flexattn.lowering import configs, decode as decode_lowering  # noqa: E402
+
+#: The modules that read the GPU generation (each imported gpu_generation by name).
+GENERATION_READERS = (configs.base, configs.backward, configs.tma, decode_lowering)
 
 
 def main() -> None:
@@ -40,8 +43,8 @@ def main() -> None:
 
     _compat.enable_triton_interpreter()
     _compat.use_interpreter_libdevice()
-    configs.gpu_generation = lambda device: "sm90"
-    backward_configs.gpu_generation = configs.gpu_generation
+    for module in GENERATION_READERS:
+        module.gpu_generation = lambda device: "sm90"
     torch._inductor.config.cpu_backend = "triton"
 
     dtype = getattr(torch, args.dtype)
