@@ -1,6 +1,7 @@
 """The package's shape: no import circle inside flexattn, no kernel lowering importing
-another, no module over 700 lines (block_mask.py excepted, see below), and no history
-notes (session numbers, dates, run ids) in the package, the docs or the README."""
+another, no module over 700 lines (block_mask.py excepted, see below), no history notes
+(session numbers, dates, run ids) in the package, the docs or the README, and no stale
+imports of it in the scripts, benchmarks and examples."""
 
 from __future__ import annotations
 
@@ -116,3 +117,35 @@ def test_decision_records_cited_exist():
              for anchor in re.findall(r"DECISIONS\.md#([a-z0-9-]+)", p.read_text())}
     missing = sorted(f"{path}: {anchor}" for path, anchor in cited if f'id="{anchor}"' not in decisions)
     assert cited and not missing, "no such DECISIONS.md row:\n" + "\n".join(missing)
+
+
+#: Code outside the package that imports from it (run by hand or on the GPU host, so a
+#: stale import there fails no other CPU test).
+TOOL_DIRS = ("scripts", "bench", "examples")
+
+
+def test_tools_import_names_that_exist():
+    """Every ``from flexattn... import name`` in scripts, benchmarks and examples names a
+    module or an attribute that exists (a restructure once left a script importing
+    config modules that had moved)."""
+    import importlib
+
+    stale = []
+    for directory in TOOL_DIRS:
+        for path in sorted((ROOT / directory).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    stale += [f"{path.relative_to(ROOT)}:{node.lineno}: {alias.name}" for alias in node.names
+                              if alias.name.split(".")[0] == "flexattn" and not _exists(alias.name)]
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        and node.module.split(".")[0] == "flexattn"):
+                    continue
+                if not _exists(node.module):
+                    stale.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}")
+                    continue
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if alias.name != "*" and not hasattr(module, alias.name) \
+                            and not _exists(f"{node.module}.{alias.name}"):
+                        stale.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
+    assert not stale, "imports of names flexattn does not have:\n" + "\n".join(stale)
