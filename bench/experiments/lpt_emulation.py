@@ -11,8 +11,8 @@ torch's flex, timed in turn; the permuted output is checked against the original
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import flexattn
 from flexattn import mods
