@@ -39,7 +39,7 @@ MODES = {"pointer": 0, "device": 1, "host": 2, "persistent": 3, "device_kv": 4}
 
 
 @triton.jit
-def load_tile(ptr, desc, off_bh, start, S, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
+def load_tile(ptr, desc, off_bh, start, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
     """Rows [start, start + BLOCK) of head off_bh: ptr is the head's base pointer (MODE 0),
     desc a per-program descriptor of the head (MODE 1) or the host's (B*H, S, D) one (MODE 2)."""
     if MODE == 0:
@@ -73,12 +73,8 @@ def forward(Q, K, V, O, q_host, k_host, v_host, S, BH, DOC_LEN, qk_scale, BLOCK_
             q_src = tl.make_tensor_descriptor(Q + off_head, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM])
             k_src = tl.make_tensor_descriptor(K + off_head, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
             v_src = tl.make_tensor_descriptor(V + off_head, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
-        elif MODE == 4:
-            q_src = Q + off_head
-            k_src = K + off_head
-            v_src = V + off_head
         else:
-            q_src, k_src, v_src = q_host, k_host, v_host
+            q_src, k_src, v_src = q_host, k_host, v_host  # the host's descriptors in MODE 2, else None
         forward_tile(Q, K, V, O, q_src, k_src, v_src, tl.program_id(0), tl.program_id(1), S, DOC_LEN, qk_scale,
                      BLOCK_M, BLOCK_N, HEAD_DIM, MODE)
 
@@ -90,12 +86,12 @@ def forward_tile(Q, K, V, O, q_src, k_src, v_src, off_m, off_bh, S, DOC_LEN, qk_
     q_ptr, k_ptr, v_ptr = Q + off_head, K + off_head, V + off_head
     offs_m = off_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if MODE == 4:
-        q = load_tile(q_ptr, q_src, off_bh, off_m * BLOCK_M, S, BLOCK_M, HEAD_DIM, 0)
+        q = load_tile(q_ptr, q_src, off_bh, off_m * BLOCK_M, BLOCK_M, HEAD_DIM, 0)
         k_src = tl.make_tensor_descriptor(k_ptr, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
         v_src = tl.make_tensor_descriptor(v_ptr, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
         KV_MODE: tl.constexpr = 1
     else:
-        q = load_tile(q_ptr, q_src, off_bh, off_m * BLOCK_M, S, BLOCK_M, HEAD_DIM, MODE)
+        q = load_tile(q_ptr, q_src, off_bh, off_m * BLOCK_M, BLOCK_M, HEAD_DIM, MODE)
         KV_MODE: tl.constexpr = MODE
     q = (q * qk_scale).to(Q.dtype.element_ty)
     m_i = tl.full([BLOCK_M], -3.0e38, tl.float32)
@@ -104,7 +100,7 @@ def forward_tile(Q, K, V, O, q_src, k_src, v_src, off_m, off_bh, S, DOC_LEN, qk_
     lo = (off_m * BLOCK_M // DOC_LEN) * DOC_LEN
     hi = (off_m + 1) * BLOCK_M
     for start_n in range(lo, hi, BLOCK_N):
-        k = load_tile(k_ptr, k_src, off_bh, start_n, S, BLOCK_N, HEAD_DIM, KV_MODE)
+        k = load_tile(k_ptr, k_src, off_bh, start_n, BLOCK_N, HEAD_DIM, KV_MODE)
         qk = tl.dot(q, tl.trans(k))
         if start_n + BLOCK_N > off_m * BLOCK_M:
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -113,7 +109,7 @@ def forward_tile(Q, K, V, O, q_src, k_src, v_src, off_m, off_bh, S, DOC_LEN, qk_
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_ptr, v_src, off_bh, start_n, S, BLOCK_N, HEAD_DIM, KV_MODE)
+        v = load_tile(v_ptr, v_src, off_bh, start_n, BLOCK_N, HEAD_DIM, KV_MODE)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     out = (acc / l_i[:, None]).to(O.dtype.element_ty)
