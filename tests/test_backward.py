@@ -491,6 +491,36 @@ def test_backward_tma_and_one_loop_choice(E):
 
 
 @pytest.mark.triton_kernels
+def test_backward_tma_programs_choice():
+    """Automatic descriptors go to the dQ programs only (configs.tma.backward_tma_programs);
+    kernel_options USE_TMA=True puts them in both program kinds, False in neither."""
+    from flexattn.lowering.configs import tma as configs
+    names = ("USE_TMA_DKDV", "USE_TMA_DQ")
+    auto = configs.tma_by_default("backward", torch.device(DEVICE), 128, torch.float16, kv_length=1 << 20)
+    assert configs.backward_tma_programs(auto, None) == (False, auto)
+    assert configs.backward_tma_programs(True, True) == (True, True)
+    assert configs.backward_tma_programs(False, False) == (False, False)
+    assert _backward_constexprs(32, {"USE_TMA": True}, names) == {"USE_TMA_DKDV": "True", "USE_TMA_DQ": "True"}
+    torch._dynamo.reset()
+    assert _backward_constexprs(32, {"USE_TMA": False}, names) == {"USE_TMA_DKDV": "False", "USE_TMA_DQ": "False"}
+
+
+@pytest.mark.triton_kernels
+@pytest.mark.parametrize("programs", [(False, True), (True, False)], ids=["dq_only", "dkdv_only"])
+def test_tma_in_one_program_kind(programs, monkeypatch):
+    """Descriptors in one backward program kind, pointers in the other (the automatic
+    choice on Hopper is dQ only) at the edges: odd lengths, a padded head dim, GQA, a
+    learnable captured tensor, and with DQ_ATOMIC (whose shares the dK/dV programs reduce)."""
+    from flexattn.lowering.configs import tma as configs
+    monkeypatch.setattr(configs, "backward_tma_programs", lambda use_tma, requested: configs.BackwardTma(*programs))
+    L, S = scaled(77, 696), scaled(130, 1175)
+    run_case(dtype=torch.float16, Hq=4, Hkv=2, L=L, S=S, E=40, make_mods=_alibi_learnable(4),
+             options={"USE_TMA": True}, block_size=scaled(16, 128))
+    run_case(dtype=torch.float16, L=scaled(48, 640), S=scaled(48, 640), options={"USE_TMA": True, "DQ_ATOMIC": True},
+             make_mods=_no_buffers(mods.tanh_softcap(3.0), mods.causal_mask), block_size=scaled(16, 128))
+
+
+@pytest.mark.triton_kernels
 def test_reversed_q_tiles_default_per_kernel():
     """REVERSED_Q_TILES: on in the backward, off in the forward by default
     (configs.forward/backward.REVERSED_Q_TILES); a kernel_options value pins both."""

@@ -37,6 +37,7 @@ from ..templates import kernel_source
 from . import common
 from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, plan_buffer_grads
 from .configs import backward as backward_configs
+from .configs import tma as tma_configs
 from .configs.base import shared_memory_limit
 from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, gathered_tile_bytes
 
@@ -45,7 +46,8 @@ TEMPLATE_NAME = "flexattn_backward"
 
 #: The specialisations that report_choice shows for the backward.
 REPORTED_SPECIALISATIONS = ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS", "HAS_SCORE_MOD",
-                            "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N", "DQ_ATOMIC", "USE_TMA", "DENSE_KV")
+                            "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N", "DQ_ATOMIC", "USE_TMA",
+                            "USE_TMA_DKDV", "USE_TMA_DQ", "DENSE_KV")
 
 #: The first template subgraph of the reduced buffer-gradient pairs (0-2: score, mask,
 #: grad score; 3: the scatters, present even when empty).
@@ -165,6 +167,8 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         IS_DIVISIBLE_N=common.divisible(S, call.sparse_kv),
         **common.dropout_specialisations(kernel_options),
     )
+    programs_tma = tma_configs.backward_tma_programs(spec["USE_TMA"], _options.read(kernel_options, "USE_TMA"))
+    spec.update(USE_TMA_DKDV=programs_tma.dkdv, USE_TMA_DQ=programs_tma.dq)
 
     dk_layout = ir.FixedLayout(device, dtype, [B, Hkv, S, E], ir.FlexibleLayout.contiguous_strides([B, Hkv, S, E]))
     grad_value = common.dense_buffer([B, Hkv, S, Ev], device, dtype)
@@ -177,7 +181,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         smem_limit=shared_memory_limit(device),
         gathered_bytes=(gathered_tile_bytes(fw_graph.graph_module, len(SCORE_MOD_ARGS))
                         + gathered_tile_bytes(call.mask_graph.graph_module, len(MASK_MOD_ARGS))),
-        staged_dq=dq_atomic and spec["USE_TMA"])
+        staged_dq=dq_atomic and spec["USE_TMA_DKDV"])
 
     tables = call.tables
     # The order of backward.py.jinja's def_kernel.

@@ -8,6 +8,8 @@ USE_TMA overrides it per call.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .base import gpu_generation, head_dim_bucket
@@ -31,3 +33,18 @@ def tma_by_default(kernel: str, device: torch.device, padded_head_dim: int, dtyp
         return False
     key = (gpu_generation(device), head_dim_bucket(padded_head_dim))
     return key in TMA_DEFAULTS.get(kernel, frozenset())
+
+
+class BackwardTma(NamedTuple):
+    """Which of the backward's program kinds load their walked tiles through descriptors."""
+
+    dkdv: bool
+    dq: bool
+
+
+def backward_tma_programs(use_tma: bool, requested: bool | None) -> BackwardTma:
+    """The backward's USE_TMA_DKDV / USE_TMA_DQ from its USE_TMA and the call's
+    kernel_options USE_TMA (``requested``; None: automatic). Automatic descriptors go to
+    the dQ programs only: the dK/dV programs' pay 1-2% on causal rows and cost 7-13% on
+    packed documents (bench/DECISIONS.md#tma-backward-programs); True asks for both."""
+    return BackwardTma(dkdv=use_tma and requested is True, dq=use_tma)
