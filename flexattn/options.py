@@ -117,12 +117,13 @@ OPTIONS: tuple[KernelOption, ...] = (
     KernelOption("USE_TMA", "tristate", PER_CALL, _ALL,
                  "load the tiles each program's loop walks (K, V; in the backward also Q, dO) through tensor "
                  "descriptors (Hopper's copy engine) instead of pointer loads, the tiles read once per program "
-                 "through pointers; True asks for it anywhere the layouts allow (else warns and uses pointers), "
-                 "False turns it off", "torch",
+                 "through pointers; True asks for it anywhere the layouts allow, in both backward program kinds "
+                 "(else warns and uses pointers), False turns it off", "torch",
                  default_doc="on for 16-bit inputs on sm90+ where it measured faster: forward every head dim, "
-                             "backward D 65-128, from 4096 keys, never decode "
+                             "backward D 65-128 in its dQ programs only, from 4096 keys, never decode "
                              "([decisions](../bench/DECISIONS.md#tma-tma-defaults), "
-                             "[short sequences](../bench/DECISIONS.md#tma-short-sequences))"),
+                             "[short sequences](../bench/DECISIONS.md#tma-short-sequences), "
+                             "[backward programs](../bench/DECISIONS.md#tma-backward-programs))"),
     KernelOption("REVERSED_Q_TILES", "tristate", PER_CALL, ("forward", "backward"),
                  "start the query tiles from the last one (the forward: every head's last tile before any "
                  "head's second-to-last; the backward's dQ programs: within each head), so the longest rows "

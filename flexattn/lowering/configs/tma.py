@@ -45,6 +45,6 @@ class BackwardTma(NamedTuple):
 def backward_tma_programs(use_tma: bool, requested: bool | None) -> BackwardTma:
     """The backward's USE_TMA_DKDV / USE_TMA_DQ from its USE_TMA and the call's
     kernel_options USE_TMA (``requested``; None: automatic). Automatic descriptors go to
-    the dQ programs only: the dK/dV programs' pay 1-2% on causal rows and cost 7-13% on
-    packed documents (bench/DECISIONS.md#tma-backward-programs); True asks for both."""
+    the dQ programs only: the dK/dV programs' gain under 2% on causal rows and cost 7-11%
+    on packed documents (bench/DECISIONS.md#tma-backward-programs); True asks for both."""
     return BackwardTma(dkdv=use_tma and requested is True, dq=use_tma)
