@@ -15,9 +15,13 @@ with the three ways of loading its tiles, timed by CUDA-graph replay:
   (two instead of three, built while the Q tile is in flight);
 * ``persistent``: PROGRAMS_PER_SM programs per SM, each building three 3-D descriptors of
   the (B*H, S, D) tensors once and walking tiles launch-index apart, every head's last
-  query tile first (longest rows first for causal masks).
+  query tile first (longest rows first for causal masks);
+* ``branch``: Q through pointer loads, then per program: a walk of at least
+  ``--branch-min-tiles`` KV tiles builds K and V descriptors (as device_kv), a shorter one
+  loads through pointers (two copies of the loop in one kernel).
 
     PYTHONPATH=. python bench/experiments/descriptor_cost.py --lengths 2048,4096,8192
+    PYTHONPATH=. python bench/experiments/descriptor_cost.py --modes pointer,device_kv,branch --branch-min-tiles 6
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/experiments/descriptor_cost.py --check   # no GPU
 
 The output is stored with pointer stores in every mode (as flexattn's Inductor epilogue).
@@ -26,6 +30,7 @@ The output is stored with pointer stores in every mode (as flexattn's Inductor e
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import triton
@@ -35,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 LOG2_E = 1.4426950408889634
 #: Resident programs per SM in the persistent mode (two fit 128x64 tiles at D=128).
 PROGRAMS_PER_SM = 2
-MODES = {"pointer": 0, "device": 1, "host": 2, "persistent": 3, "device_kv": 4}
+MODES = {"pointer": 0, "device": 1, "host": 2, "persistent": 3, "device_kv": 4, "branch": 5}
 
 
 @triton.jit
@@ -53,7 +58,7 @@ def load_tile(ptr, desc, off_bh, start, BLOCK: tl.constexpr, HEAD_DIM: tl.conste
 
 @triton.jit
 def forward(Q, K, V, O, q_host, k_host, v_host, S, BH, DOC_LEN, qk_scale, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
+            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MODE: tl.constexpr, BRANCH_MIN_TILES: tl.constexpr):
     """One BLOCK_M tile of one (batch, head) per program, or (MODE 3) tiles launch-index
     apart: keys from the start of the tile's document (DOC_LEN tokens each; S for plain
     causal) to its diagonal."""
@@ -66,7 +71,7 @@ def forward(Q, K, V, O, q_host, k_host, v_host, S, BH, DOC_LEN, qk_scale, BLOCK_
             off_m = num_m - 1 - tile // BH
             off_bh = tile % BH
             forward_tile(Q, K, V, O, q_src, k_src, v_src, off_m, off_bh, S, DOC_LEN, qk_scale, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, 2)
+                         HEAD_DIM, 2, BRANCH_MIN_TILES)
     else:
         off_head = tl.program_id(1).to(tl.int64) * S * HEAD_DIM
         if MODE == 1:
@@ -76,33 +81,45 @@ def forward(Q, K, V, O, q_host, k_host, v_host, S, BH, DOC_LEN, qk_scale, BLOCK_
         else:
             q_src, k_src, v_src = q_host, k_host, v_host  # the host's descriptors in MODE 2, else None
         forward_tile(Q, K, V, O, q_src, k_src, v_src, tl.program_id(0), tl.program_id(1), S, DOC_LEN, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, MODE)
+                     BLOCK_M, BLOCK_N, HEAD_DIM, MODE, BRANCH_MIN_TILES)
 
 
 @triton.jit
 def forward_tile(Q, K, V, O, q_src, k_src, v_src, off_m, off_bh, S, DOC_LEN, qk_scale, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MODE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MODE: tl.constexpr, BRANCH_MIN_TILES: tl.constexpr):
     off_head = off_bh.to(tl.int64) * S * HEAD_DIM
     q_ptr, k_ptr, v_ptr = Q + off_head, K + off_head, V + off_head
     offs_m = off_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if MODE == 4:
+    lo = (off_m * BLOCK_M // DOC_LEN) * DOC_LEN
+    hi = (off_m + 1) * BLOCK_M
+    if MODE >= 4:
         q = load_tile(q_ptr, q_src, off_bh, off_m * BLOCK_M, BLOCK_M, HEAD_DIM, 0)
-        k_src = tl.make_tensor_descriptor(k_ptr, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
-        v_src = tl.make_tensor_descriptor(v_ptr, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
-        KV_MODE: tl.constexpr = 1
     else:
         q = load_tile(q_ptr, q_src, off_bh, off_m * BLOCK_M, BLOCK_M, HEAD_DIM, MODE)
-        KV_MODE: tl.constexpr = MODE
     q = (q * qk_scale).to(Q.dtype.element_ty)
+    if MODE == 4 or (MODE == 5 and (hi - lo) // BLOCK_N >= BRANCH_MIN_TILES):
+        k_desc = tl.make_tensor_descriptor(k_ptr, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_ptr, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
+        acc, l_i = kv_walk(q, k_ptr, v_ptr, k_desc, v_desc, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N, HEAD_DIM, 1)
+    elif MODE == 5:
+        acc, l_i = kv_walk(q, k_ptr, v_ptr, None, None, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N, HEAD_DIM, 0)
+    else:
+        acc, l_i = kv_walk(q, k_ptr, v_ptr, k_src, v_src, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N, HEAD_DIM, MODE)
+    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    tl.store(O + off_head + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], out)
+
+
+@triton.jit
+def kv_walk(q, k_ptr, v_ptr, k_src, v_src, off_bh, offs_m, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr):
+    """The online softmax over keys [lo, hi) of one query tile: (acc, l_i), unnormalised."""
     m_i = tl.full([BLOCK_M], -3.0e38, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    lo = (off_m * BLOCK_M // DOC_LEN) * DOC_LEN
-    hi = (off_m + 1) * BLOCK_M
     for start_n in range(lo, hi, BLOCK_N):
         k = load_tile(k_ptr, k_src, off_bh, start_n, BLOCK_N, HEAD_DIM, KV_MODE)
         qk = tl.dot(q, tl.trans(k))
-        if start_n + BLOCK_N > off_m * BLOCK_M:
+        if start_n + BLOCK_N > hi - BLOCK_M:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             qk = tl.where(offs_m[:, None] >= offs_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -112,8 +129,7 @@ def forward_tile(Q, K, V, O, q_src, k_src, v_src, off_m, off_bh, S, DOC_LEN, qk_
         v = load_tile(v_ptr, v_src, off_bh, start_n, BLOCK_N, HEAD_DIM, KV_MODE)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
-    tl.store(O + off_head + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], out)
+    return acc, l_i
 
 
 def reference(q, k, v, doc_len):
@@ -124,7 +140,7 @@ def reference(q, k, v, doc_len):
     return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v.double()
 
 
-def launcher(q, k, v, out, doc_len, mode, block_m, block_n, num_warps, num_stages):
+def launcher(q, k, v, out, doc_len, mode, block_m, block_n, num_warps, num_stages, branch_min_tiles=6):
     B, H, S, D = q.shape
     flat = [t.view(B * H, S, D) for t in (q, k, v)]
     if mode == "host":
@@ -141,7 +157,7 @@ def launcher(q, k, v, out, doc_len, mode, block_m, block_n, num_warps, num_stage
     def call():
         forward[grid](q, k, v, out, *descs, S, B * H, doc_len, D ** -0.5 * LOG2_E, BLOCK_M=block_m,
                                        BLOCK_N=block_n, HEAD_DIM=D, MODE=MODES[mode], num_warps=num_warps,
-                                       num_stages=num_stages)
+                                       num_stages=num_stages, BRANCH_MIN_TILES=branch_min_tiles)
     return call
 
 
@@ -159,13 +175,16 @@ def check():
     ref = reference(q, k, v, 128)
     for mode in MODES:
         out = torch.empty_like(q)
-        launcher(q, k, v, out, 128, mode, 64, 32, 4, 2)()
+        # 128-token documents of 32-key tiles: walks of 1 to 4 tiles, so the branch takes both ways.
+        launcher(q, k, v, out, 128, mode, 64, 32, 4, 2, branch_min_tiles=3)()
         err = (out.double() - ref).abs().max().item()
         print(f"{mode}: max |out - float64| {err:.3g}")
         assert err < 2e-2, mode
 
 
-def time_modes(lengths, dims, doc_len, configs, rounds):
+def time_modes(lengths, dims, doc_len, configs, rounds, modes, branch_min_tiles):
+    """Median CUDA-graph replay time of each mode, in turn; also each mode's first call
+    (Triton's compile of that specialisation, cold in-process)."""
     set_scratch_allocator("cuda")
     rows = []
     for S in lengths:
@@ -175,11 +194,14 @@ def time_modes(lengths, dims, doc_len, configs, rounds):
             for mask, doc in (("document_causal", doc_len), ("causal", S)):
                 ref = reference(q[:1, :2], k[:1, :2], v[:1, :2], doc)
                 for (m, n, w, s) in configs:
-                    calls, times = {}, {}
-                    for mode in MODES:
+                    calls, times, first = {}, {}, {}
+                    for mode in modes:
                         out = torch.empty_like(q)
-                        calls[mode] = (launcher(q, k, v, out, doc, mode, m, n, w, s), out)
+                        calls[mode] = (launcher(q, k, v, out, doc, mode, m, n, w, s, branch_min_tiles), out)
+                        start = time.perf_counter()
                         calls[mode][0]()
+                        torch.cuda.synchronize()
+                        first[mode] = time.perf_counter() - start
                         err = (out[:1, :2].double() - ref).abs().max().item()
                         assert err < 3e-2, (mode, err)
                         times[mode] = []
@@ -187,17 +209,19 @@ def time_modes(lengths, dims, doc_len, configs, rounds):
                         for mode, (call, _) in calls.items():
                             times[mode].append(triton.testing.do_bench_cudagraph(call, rep=100) * 1e3)
                     med = {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
-                    rows.append((S, D, mask, f"{m}x{n}w{w}s{s}", med))
+                    rows.append((S, D, mask, f"{m}x{n}w{w}s{s}", med, first))
                     print(f"S={S} D={D} {mask} {m}x{n}w{w}s{s}: "
-                          + ", ".join(f"{name} {t:.1f} us ({t / med['pointer']:.3f})" for name, t in med.items()),
+                          + ", ".join(f"{name} {t:.1f} us ({t / med[modes[0]]:.3f})" for name, t in med.items()),
                           flush=True)
-    print("\n| S | D | mask | tiles | " + " | ".join(f"{name} us" for name in MODES) + " | "
-          + " | ".join(f"{name} / pointer" for name in list(MODES)[1:]) + " | host / device | persistent / device |")
-    print("| --- " * (4 + 2 * len(MODES) + 1) + "|")
-    for S, D, mask, cfg, med in rows:
-        print(f"| {S} | {D} | {mask} | {cfg} | " + " | ".join(f"{med[name]:.1f}" for name in MODES) + " | "
-              + " | ".join(f"{med[name] / med['pointer']:.3f}" for name in list(MODES)[1:])
-              + f" | {med['host'] / med['device']:.3f} | {med['persistent'] / med['device']:.3f} |")
+    base = modes[0]
+    print(f"\n| S | D | mask | tiles | " + " | ".join(f"{name} us" for name in modes) + " | "
+          + " | ".join(f"{name} / {base}" for name in modes[1:]) + " | "
+          + " | ".join(f"{name} first call s" for name in modes) + " |")
+    print("| --- " * (4 + 3 * len(modes) - 1) + "|")
+    for S, D, mask, cfg, med, first in rows:
+        print(f"| {S} | {D} | {mask} | {cfg} | " + " | ".join(f"{med[name]:.1f}" for name in modes) + " | "
+              + " | ".join(f"{med[name] / med[base]:.3f}" for name in modes[1:]) + " | "
+              + " | ".join(f"{first[name]:.2f}" for name in modes) + " |")
 
 
 def main():
@@ -208,6 +232,9 @@ def main():
     parser.add_argument("--configs", default="128x64w4s2,128x64w8s3,64x128w4s2",
                         help="MxNwWsS, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; ratios are to the first")
+    parser.add_argument("--branch-min-tiles", type=int, default=6,
+                        help="branch mode: the shortest walk, in KV tiles, that builds descriptors")
     parser.add_argument("--check", action="store_true", help="only check every mode against float64")
     args = parser.parse_args()
     if args.check:
@@ -220,7 +247,7 @@ def main():
         m, n = mn.split("x")
         configs.append((int(m), int(n), int(w), int(s)))
     time_modes([int(x) for x in args.lengths.split(",")], [int(x) for x in args.dims.split(",")], args.doc_len,
-               configs, args.rounds)
+               configs, args.rounds, args.modes.split(","), args.branch_min_tiles)
 
 
 if __name__ == "__main__":
