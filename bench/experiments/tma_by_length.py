@@ -8,6 +8,7 @@ raise, stays out), rounds in turn (bench/DECISIONS.md#tma-short-sequences).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import torch
@@ -44,7 +45,10 @@ def main():
     parser.add_argument("--masks", default="none,causal,document")
     parser.add_argument("--modes", default="fwd,fwdbwd")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--options", default="{}", help="kernel_options (JSON) for both arms, e.g. "
+                        "'{\"fwd_ONE_KV_LOOP\": true}'")
     args = parser.parse_args()
+    options = json.loads(args.options)
     print("| S | D | mask | mode | default us | no TMA us | default / no TMA |")
     print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for S in map(int, args.lengths.split(",")):
@@ -62,7 +66,8 @@ def main():
                         f = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
 
                         def call(f=f, tma=tma):
-                            out = f(q, k, v, block_mask=bm, kernel_options={"USE_TMA": tma} if tma is False else None)
+                            out = f(q, k, v, block_mask=bm,
+                                    kernel_options={**options, **({"USE_TMA": tma} if tma is False else {})})
                             if grad:
                                 out.backward(do)
                         call()
