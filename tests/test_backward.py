@@ -492,14 +492,16 @@ def test_backward_tma_and_one_loop_choice(E):
 
 @pytest.mark.triton_kernels
 def test_backward_tma_programs_choice():
-    """Automatic descriptors go to the dQ programs only (configs.tma.backward_tma_programs);
-    kernel_options USE_TMA=True puts them in both program kinds, False in neither."""
+    """Automatic descriptors go to the dQ programs only (configs.tma.backward_tma_programs),
+    with DQ_ATOMIC to the dK/dV programs too; kernel_options USE_TMA=True puts them in both
+    program kinds, False in neither."""
     from flexattn.lowering.configs import tma as configs
     names = ("USE_TMA_DKDV", "USE_TMA_DQ")
     auto = configs.tma_by_default("backward", torch.device(DEVICE), 128, torch.float16, kv_length=1 << 20)
-    assert configs.backward_tma_programs(auto, None) == (False, auto)
-    assert configs.backward_tma_programs(True, True) == (True, True)
-    assert configs.backward_tma_programs(False, False) == (False, False)
+    assert configs.backward_tma_programs(auto, None, dq_atomic=False) == (False, auto)
+    assert configs.backward_tma_programs(auto, None, dq_atomic=True) == (auto, auto)
+    assert configs.backward_tma_programs(True, True, dq_atomic=False) == (True, True)
+    assert configs.backward_tma_programs(False, False, dq_atomic=True) == (False, False)
     assert _backward_constexprs(32, {"USE_TMA": True}, names) == {"USE_TMA_DKDV": "True", "USE_TMA_DQ": "True"}
     torch._dynamo.reset()
     assert _backward_constexprs(32, {"USE_TMA": False}, names) == {"USE_TMA_DKDV": "False", "USE_TMA_DQ": "False"}
@@ -512,7 +514,7 @@ def test_tma_in_one_program_kind(programs, monkeypatch):
     choice on Hopper is dQ only) at the edges: odd lengths, a padded head dim, GQA, a
     learnable captured tensor, and with DQ_ATOMIC (whose shares the dK/dV programs reduce)."""
     from flexattn.lowering.configs import tma as configs
-    monkeypatch.setattr(configs, "backward_tma_programs", lambda use_tma, requested: configs.BackwardTma(*programs))
+    monkeypatch.setattr(configs, "backward_tma_programs", lambda use_tma, requested, dq_atomic: configs.BackwardTma(*programs))
     L, S = scaled(77, 696), scaled(130, 1175)
     run_case(dtype=torch.float16, Hq=4, Hkv=2, L=L, S=S, E=40, make_mods=_alibi_learnable(4),
              options={"USE_TMA": True}, block_size=scaled(16, 128))

@@ -72,7 +72,7 @@ def main():
 
                     def call(f=f):
                         f(q, k, v, bm, {"USE_TMA": True}).backward(do)
-                    tma_configs.backward_tma_programs = lambda use, requested, programs=VARIANTS[name]: programs
+                    tma_configs.backward_tma_programs = lambda use, requested, dq_atomic, programs=VARIANTS[name]: programs
                     try:
                         call()  # the forward and the backward compile here, under this variant's choice
                     finally:

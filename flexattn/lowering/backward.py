@@ -167,7 +167,8 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         IS_DIVISIBLE_N=common.divisible(S, call.sparse_kv),
         **common.dropout_specialisations(kernel_options),
     )
-    programs_tma = tma_configs.backward_tma_programs(spec["USE_TMA"], _options.read(kernel_options, "USE_TMA"))
+    programs_tma = tma_configs.backward_tma_programs(spec["USE_TMA"], _options.read(kernel_options, "USE_TMA"),
+                                                       dq_atomic)
     spec.update(USE_TMA_DKDV=programs_tma.dkdv, USE_TMA_DQ=programs_tma.dq)
 
     dk_layout = ir.FixedLayout(device, dtype, [B, Hkv, S, E], ir.FlexibleLayout.contiguous_strides([B, Hkv, S, E]))

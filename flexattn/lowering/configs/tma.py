@@ -42,9 +42,11 @@ class BackwardTma(NamedTuple):
     dq: bool
 
 
-def backward_tma_programs(use_tma: bool, requested: bool | None) -> BackwardTma:
-    """The backward's USE_TMA_DKDV / USE_TMA_DQ from its USE_TMA and the call's
-    kernel_options USE_TMA (``requested``; None: automatic). Automatic descriptors go to
-    the dQ programs only: the dK/dV programs' gain under 2% on causal rows and cost 7-11%
-    on packed documents (bench/DECISIONS.md#tma-backward-programs); True asks for both."""
-    return BackwardTma(dkdv=use_tma and requested is True, dq=use_tma)
+def backward_tma_programs(use_tma: bool, requested: bool | None, dq_atomic: bool) -> BackwardTma:
+    """The backward's USE_TMA_DKDV / USE_TMA_DQ from its USE_TMA, the call's kernel_options
+    USE_TMA (``requested``; None: automatic) and DQ_ATOMIC. Automatic descriptors go to the
+    dQ programs only: the dK/dV programs' gain under 2% on causal rows and cost 7-11% on
+    packed documents (bench/DECISIONS.md#tma-backward-programs). True asks for both; so
+    does DQ_ATOMIC (no dQ programs; its dQ shares are bulk reductions through descriptors,
+    a trade that split did not measure)."""
+    return BackwardTma(dkdv=use_tma and (requested is True or dq_atomic), dq=use_tma)
