@@ -120,8 +120,8 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "through pointers; True asks for it anywhere the layouts allow, in both backward program kinds "
                  "(else warns and uses pointers), False turns it off", "torch",
                  default_doc="on for 16-bit inputs on sm90+ where it measured faster: forward every head dim, "
-                             "backward D 65-128 in its dQ programs only (with DQ_ATOMIC in its dK/dV programs), from 4096 keys, "
-                             "never decode "
+                             "backward D 65-128 in its dQ programs only (with DQ_ATOMIC in its dK/dV programs), "
+                             "from 4096 keys, never decode "
                              "([decisions](../bench/DECISIONS.md#tma-tma-defaults), "
                              "[short sequences](../bench/DECISIONS.md#tma-short-sequences), "
                              "[backward programs](../bench/DECISIONS.md#tma-backward-programs))"),

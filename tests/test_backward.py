@@ -498,23 +498,29 @@ def test_backward_tma_programs_choice():
     from flexattn.lowering.configs import tma as configs
     names = ("USE_TMA_DKDV", "USE_TMA_DQ")
     auto = configs.tma_by_default("backward", torch.device(DEVICE), 128, torch.float16, kv_length=1 << 20)
-    assert configs.backward_tma_programs(auto, None, dq_atomic=False) == (False, auto)
-    assert configs.backward_tma_programs(auto, None, dq_atomic=True) == (auto, auto)
-    assert configs.backward_tma_programs(True, True, dq_atomic=False) == (True, True)
-    assert configs.backward_tma_programs(False, False, dq_atomic=True) == (False, False)
+    both, dq_only, neither = (configs.BackwardTma(dkdv=True, dq=True), configs.BackwardTma(dkdv=False, dq=True),
+                              configs.BackwardTma(dkdv=False, dq=False))
+    assert configs.backward_tma_programs(True, None, dq_atomic=False) == dq_only
+    assert configs.backward_tma_programs(True, None, dq_atomic=True) == both
+    assert configs.backward_tma_programs(True, True, dq_atomic=False) == both
+    assert configs.backward_tma_programs(True, 1, dq_atomic=False) == both
+    assert configs.backward_tma_programs(False, None, dq_atomic=True) == neither
+    assert configs.backward_tma_programs(False, False, dq_atomic=False) == neither
+    assert configs.backward_tma_programs(auto, None, dq_atomic=False) == (dq_only if auto else neither)
     assert _backward_constexprs(32, {"USE_TMA": True}, names) == {"USE_TMA_DKDV": "True", "USE_TMA_DQ": "True"}
     torch._dynamo.reset()
     assert _backward_constexprs(32, {"USE_TMA": False}, names) == {"USE_TMA_DKDV": "False", "USE_TMA_DQ": "False"}
 
 
 @pytest.mark.triton_kernels
-@pytest.mark.parametrize("programs", [(False, True), (True, False)], ids=["dq_only", "dkdv_only"])
-def test_tma_in_one_program_kind(programs, monkeypatch):
+@pytest.mark.parametrize("dkdv,dq", [(False, True), (True, False)], ids=["dq_only", "dkdv_only"])
+def test_tma_in_one_program_kind(dkdv, dq, monkeypatch):
     """Descriptors in one backward program kind, pointers in the other (the automatic
     choice on Hopper is dQ only) at the edges: odd lengths, a padded head dim, GQA, a
     learnable captured tensor, and with DQ_ATOMIC (whose shares the dK/dV programs reduce)."""
     from flexattn.lowering.configs import tma as configs
-    monkeypatch.setattr(configs, "backward_tma_programs", lambda use_tma, requested, dq_atomic: configs.BackwardTma(*programs))
+    monkeypatch.setattr(configs, "backward_tma_programs",
+                        lambda use_tma, requested, dq_atomic: configs.BackwardTma(dkdv=dkdv, dq=dq))
     L, S = scaled(77, 696), scaled(130, 1175)
     run_case(dtype=torch.float16, Hq=4, Hkv=2, L=L, S=S, E=40, make_mods=_alibi_learnable(4),
              options={"USE_TMA": True}, block_size=scaled(16, 128))

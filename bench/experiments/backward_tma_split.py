@@ -54,9 +54,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     names = args.variants.split(",")
-    print("| S | D | mask | " + " | ".join(f"{n} us" for n in names) + " | "
-          + " | ".join(f"{n} / both" for n in names if n != "both") + " |")
-    print("| --- " * (3 + 2 * len(names) - ("both" in names)) + "|", flush=True)
+    ratios = [n for n in names if n != "both"] if "both" in names else []
+    header = ["S", "D", "mask", *(f"{n} us" for n in names), *(f"{n} / both" for n in ratios)]
+    print("| " + " | ".join(header) + " |")
+    print("| --- " * len(header) + "|", flush=True)
     original = tma_configs.backward_tma_programs
     for S in map(int, args.lengths.split(",")):
         for D in map(int, args.dims.split(",")):
@@ -72,7 +73,9 @@ def main():
 
                     def call(f=f):
                         f(q, k, v, bm, {"USE_TMA": True}).backward(do)
-                    tma_configs.backward_tma_programs = lambda use, requested, dq_atomic, programs=VARIANTS[name]: programs
+                    tma_configs.backward_tma_programs = (
+                        lambda use_tma, requested, dq_atomic, wanted=VARIANTS[name]:
+                        tma_configs.BackwardTma(dkdv=use_tma and wanted.dkdv, dq=use_tma and wanted.dq))
                     try:
                         call()  # the forward and the backward compile here, under this variant's choice
                     finally:
@@ -84,8 +87,7 @@ def main():
                         times[name].append(kernel_us(call, [q, k, v]))
                 med = {name: statistics.median(t) for name, t in times.items()}
                 cells = [f"{med[n]:.1f}" for n in names]
-                if "both" in names:
-                    cells += [f"{med[n] / med['both']:.3f}" for n in names if n != "both"]
+                cells += [f"{med[n] / med['both']:.3f}" for n in ratios]
                 print(f"| {S} | {D} | {mask_name} | " + " | ".join(cells) + " |", flush=True)
 
 

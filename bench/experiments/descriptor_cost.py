@@ -96,23 +96,27 @@ def forward_tile(Q, K, V, O, q_src, k_src, v_src, off_m, off_bh, S, DOC_LEN, qk_
         q = load_tile(q_ptr, q_src, off_bh, off_m * BLOCK_M, BLOCK_M, HEAD_DIM, 0)
     else:
         q = load_tile(q_ptr, q_src, off_bh, off_m * BLOCK_M, BLOCK_M, HEAD_DIM, MODE)
-    q = (q * qk_scale).to(Q.dtype.element_ty)
-    if MODE == 4 or (MODE == 5 and (hi - lo) // BLOCK_N >= BRANCH_MIN_TILES):
+    # The K and V descriptors are built while the Q tile is in flight (before its first use).
+    if MODE == 4 or (MODE == 5 and tl.cdiv(hi - lo, BLOCK_N) >= BRANCH_MIN_TILES):
         k_desc = tl.make_tensor_descriptor(k_ptr, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
         v_desc = tl.make_tensor_descriptor(v_ptr, [S, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM])
-        acc, l_i = kv_walk(q, k_ptr, v_ptr, k_desc, v_desc, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N, HEAD_DIM, 1)
+        acc, l_i = kv_walk(q, qk_scale, k_ptr, v_ptr, k_desc, v_desc, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N,
+                           HEAD_DIM, 1)
     elif MODE == 5:
-        acc, l_i = kv_walk(q, k_ptr, v_ptr, None, None, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N, HEAD_DIM, 0)
+        acc, l_i = kv_walk(q, qk_scale, k_ptr, v_ptr, None, None, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N,
+                           HEAD_DIM, 0)
     else:
-        acc, l_i = kv_walk(q, k_ptr, v_ptr, k_src, v_src, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N, HEAD_DIM, MODE)
+        acc, l_i = kv_walk(q, qk_scale, k_ptr, v_ptr, k_src, v_src, off_bh, offs_m, lo, hi, BLOCK_M, BLOCK_N,
+                           HEAD_DIM, MODE)
     out = (acc / l_i[:, None]).to(O.dtype.element_ty)
     tl.store(O + off_head + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], out)
 
 
 @triton.jit
-def kv_walk(q, k_ptr, v_ptr, k_src, v_src, off_bh, offs_m, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr):
+def kv_walk(q, qk_scale, k_ptr, v_ptr, k_src, v_src, off_bh, offs_m, lo, hi, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr):
     """The online softmax over keys [lo, hi) of one query tile: (acc, l_i), unnormalised."""
+    q = (q * qk_scale).to(q.dtype)
     m_i = tl.full([BLOCK_M], -3.0e38, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -175,7 +179,8 @@ def check():
     ref = reference(q, k, v, 128)
     for mode in MODES:
         out = torch.empty_like(q)
-        # 128-token documents of 32-key tiles: walks of 1 to 4 tiles, so the branch takes both ways.
+        # 128-token documents, 64-row query tiles, 32-key tiles: walks of 2 or 4 tiles, so the
+        # branch takes both ways.
         launcher(q, k, v, out, 128, mode, 64, 32, 4, 2, branch_min_tiles=3)()
         err = (out.double() - ref).abs().max().item()
         print(f"{mode}: max |out - float64| {err:.3g}")
@@ -214,7 +219,7 @@ def time_modes(lengths, dims, doc_len, configs, rounds, modes, branch_min_tiles)
                           + ", ".join(f"{name} {t:.1f} us ({t / med[modes[0]]:.3f})" for name, t in med.items()),
                           flush=True)
     base = modes[0]
-    print(f"\n| S | D | mask | tiles | " + " | ".join(f"{name} us" for name in modes) + " | "
+    print("\n| S | D | mask | tiles | " + " | ".join(f"{name} us" for name in modes) + " | "
           + " | ".join(f"{name} / {base}" for name in modes[1:]) + " | "
           + " | ".join(f"{name} first call s" for name in modes) + " |")
     print("| --- " * (4 + 3 * len(modes) - 1) + "|")

@@ -49,6 +49,8 @@ def main():
                         "'{\"fwd_ONE_KV_LOOP\": true}'")
     args = parser.parse_args()
     options = json.loads(args.options)
+    if "USE_TMA" in options:
+        parser.error("--options: USE_TMA is what the two arms compare; leave it out")
     print("| S | D | mask | mode | default us | no TMA us | default / no TMA |")
     print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for S in map(int, args.lengths.split(",")):

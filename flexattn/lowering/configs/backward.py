@@ -116,7 +116,7 @@ def shared_memory_estimate(cfg: BackwardConfig, qk_dim_pad: int, v_dim_pad: int,
     """Bytes of the larger program kind: its resident tiles plus num_stages buffered
     tiles of the loop operand (Q and dO for dK/dV programs, K and V for dQ programs),
     plus the mods' score-shaped gathers buffered for each extra stage, plus with
-    ``staged_dq`` the float32 dQ share that a bulk reduction (DQ_ATOMIC with USE_TMA)
+    ``staged_dq`` the float32 dQ share that a bulk reduction (DQ_ATOMIC with USE_TMA_DKDV)
     copies out of shared memory."""
     row = qk_dim_pad + v_dim_pad
     extra = (cfg.num_stages - 1) * gathered_bytes

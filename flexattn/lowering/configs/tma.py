@@ -49,4 +49,4 @@ def backward_tma_programs(use_tma: bool, requested: bool | None, dq_atomic: bool
     packed documents (bench/DECISIONS.md#tma-backward-programs). True asks for both; so
     does DQ_ATOMIC (no dQ programs; its dQ shares are bulk reductions through descriptors,
     a trade that split did not measure)."""
-    return BackwardTma(dkdv=use_tma and (requested is True or dq_atomic), dq=use_tma)
+    return BackwardTma(dkdv=use_tma and (bool(requested) or dq_atomic), dq=use_tma)
