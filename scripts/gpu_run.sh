@@ -3,12 +3,28 @@
 #   bash scripts/gpu_run.sh "<pytest targets>" "<bench args>" [test_budget_s] [bench_budget_s]
 # Prints a short summary last. Uses the machine's own torch (2.11) and triton (3.6).
 # The whole CUDA suite outgrew one 600 s call: FLEXATTN_SHARD=i/n (tests/conftest.py) runs
-# every n-th test from the i-th, e.g. three calls with 1/3, 2/3 and 3/3.
+# every n-th test from the i-th, e.g. three calls with 1/3, 2/3 and 3/3. On a host with n
+# GPUs, GPUS=n runs the n shards at once, one per GPU, each under $OUT/shard<i> (no
+# benchmarks then). A run cut off by the limit goes on in the next call with
+# FLEXATTN_RESUME=<its progress logs, ':'-joined> (with FLEXATTN_PROGRESS_LOG set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flexattn-out}
 mkdir -p "$OUT"
+GPUS=${GPUS:-1}
+if [ "$GPUS" -gt 1 ]; then
+  for i in $(seq 1 "$GPUS"); do
+    # (A prefix assignment sees the ones before it, so these are named first.)
+    SHARD="$i/$GPUS" SHARD_OUT="$OUT/shard$i"
+    CUDA_VISIBLE_DEVICES=$((i - 1)) FLEXATTN_SHARD=$SHARD GPUS=1 OUT="$SHARD_OUT" \
+      FLEXATTN_PROGRESS_LOG="$SHARD_OUT/progress.log" bash "$0" "${1:-tests}" none "${3:-360}" 0 \
+      >"$SHARD_OUT.summary" 2>&1 &
+  done
+  wait
+  for i in $(seq 1 "$GPUS"); do echo "===== shard $i/$GPUS"; tail -20 "$OUT/shard$i.summary"; done
+  exit 0
+fi
 TESTS=${1:-tests}
 BENCH=${2:---quick}
 TEST_BUDGET=${3:-360}

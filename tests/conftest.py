@@ -6,6 +6,7 @@ before triton is imported, so it is set here, first.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -25,10 +26,9 @@ if DEVICE == "cpu":
 def load_example(filename: str):
     """examples/<filename> imported as a module (the examples are scripts, not a package)."""
     import importlib.util
-    import pathlib
     import sys
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / filename
+    path = Path(__file__).resolve().parents[1] / "examples" / filename
     spec = importlib.util.spec_from_file_location(f"_example_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -99,10 +99,28 @@ def _fresh_compile(cpu_backend: str):
     return torch._inductor.config.patch(**patches)
 
 
+def finished_tests(progress_logs: str) -> set[str]:
+    """The ids that FLEXATTN_PROGRESS_LOG files (paths joined by os.pathsep) record as
+    passed or skipped, by their last line."""
+    last: dict[str, str] = {}
+    for path in filter(None, progress_logs.split(os.pathsep)):
+        for line in Path(path).read_text().splitlines():
+            outcome, _seconds, _when, nodeid = line.split(" ", 3)
+            last[nodeid] = outcome
+    return {nodeid for nodeid, outcome in last.items() if outcome in ("passed", "skipped")}
+
+
 def pytest_collection_modifyitems(config, items):
-    """FLEXATTN_SHARD="i/n" keeps every n-th collected test from the i-th on (1-based),
+    """FLEXATTN_RESUME (progress logs of earlier runs, joined by os.pathsep) drops the
+    tests they finished, so a run cut off by a device call's time limit goes on where it
+    stopped. Then FLEXATTN_SHARD="i/n" keeps every n-th test from the i-th on (1-based),
     so the CUDA suite splits into n device calls of similar length (each shard takes
     tests of every file)."""
+    resume = os.environ.get("FLEXATTN_RESUME")
+    if resume:
+        done = finished_tests(resume)
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = [item for item in items if item.nodeid not in done]
     shard = os.environ.get("FLEXATTN_SHARD")
     if not shard:
         return
@@ -120,6 +138,8 @@ def pytest_runtest_logreport(report):
     run cut off by a time limit still leaves its failures behind); with
     FLEXATTN_PROGRESS_LOG set, one line per finished test (outcome, seconds, id), so such
     a run also says what it finished and what took its time."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under xdist the controller sees every report too; log each once
     progress = os.environ.get("FLEXATTN_PROGRESS_LOG")
     if progress and (report.when == "call" or report.outcome != "passed"):
         with open(progress, "a") as log:

@@ -1,0 +1,45 @@
+"""The suite's own switches for device calls (tests/conftest.py): FLEXATTN_PROGRESS_LOG
+writes one line per finished test, FLEXATTN_RESUME drops what such logs finished, and
+FLEXATTN_SHARD splits the rest."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "tests/test_mods.py"
+
+
+def _collected(env: dict[str, str]) -> list[str]:
+    run = subprocess.run([sys.executable, "-m", "pytest", TARGET, "--collect-only", "-q", "-p", "no:cacheprovider"],
+                         cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return [line for line in run.stdout.splitlines() if line.startswith(TARGET + "::")]
+
+
+def test_resume_drops_finished_tests_then_shards(tmp_path):
+    everything = _collected({})
+    assert len(everything) >= 6
+    first_log, second_log = tmp_path / "a.log", tmp_path / "b.log"
+    first_log.write_text(f"passed 1.0 call {everything[0]}\nfailed 2.0 call {everything[1]}\n"
+                         f"skipped 0.0 setup {everything[2]}\n")
+    # The later log's line for a test wins: a failure rerun and passed counts as finished.
+    second_log.write_text(f"passed 1.5 call {everything[1]}\nfailed 0.5 call {everything[3]}\n")
+    rest = everything[3:]
+    assert _collected({"FLEXATTN_RESUME": str(first_log)}) == everything[1:2] + rest
+    assert _collected({"FLEXATTN_RESUME": os.pathsep.join(map(str, (first_log, second_log)))}) == rest
+    assert _collected({"FLEXATTN_RESUME": os.pathsep.join(map(str, (first_log, second_log))),
+                       "FLEXATTN_SHARD": "2/2"}) == rest[1::2]
+
+
+def test_progress_log_has_one_line_per_test_under_xdist(tmp_path):
+    log = tmp_path / "progress.log"
+    target = "tests/test_options.py"
+    run = subprocess.run([sys.executable, "-m", "pytest", target, "-q", "-n", "2", "-p", "no:cacheprovider"],
+                         cwd=ROOT, env={**os.environ, "FLEXATTN_PROGRESS_LOG": str(log)}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ids = [line.split(" ", 3)[3] for line in log.read_text().splitlines()]
+    assert ids and len(ids) == len(set(ids)), "a test logged twice"
+    assert all(nodeid.startswith(target + "::") for nodeid in ids)
