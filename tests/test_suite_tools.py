@@ -9,11 +9,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "tests/test_mods.py"
+#: The switches of the run this test is part of, kept out of the runs it starts.
+OWN_SWITCHES = ("FLEXATTN_SHARD", "FLEXATTN_RESUME", "FLEXATTN_PROGRESS_LOG", "FLEXATTN_FAIL_LOG")
+
+
+def _environment(**switches: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in OWN_SWITCHES}, **switches}
 
 
 def _collected(env: dict[str, str]) -> list[str]:
     run = subprocess.run([sys.executable, "-m", "pytest", TARGET, "--collect-only", "-q", "-p", "no:cacheprovider"],
-                         cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, env=_environment(**env), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     return [line for line in run.stdout.splitlines() if line.startswith(TARGET + "::")]
 
@@ -37,7 +43,7 @@ def test_progress_log_has_one_line_per_test_under_xdist(tmp_path):
     log = tmp_path / "progress.log"
     target = "tests/test_options.py"
     run = subprocess.run([sys.executable, "-m", "pytest", target, "-q", "-n", "2", "-p", "no:cacheprovider"],
-                         cwd=ROOT, env={**os.environ, "FLEXATTN_PROGRESS_LOG": str(log)}, capture_output=True,
+                         cwd=ROOT, env=_environment(FLEXATTN_PROGRESS_LOG=str(log)), capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ids = [line.split(" ", 3)[3] for line in log.read_text().splitlines()]
