@@ -133,12 +133,22 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
 
 
+#: Whether this process is an xdist worker (set per session; the environment variable
+#: xdist sets would also reach pytest runs that a test starts).
+_IS_XDIST_WORKER = False
+
+
+def pytest_configure(config):
+    global _IS_XDIST_WORKER
+    _IS_XDIST_WORKER = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report):
     """With FLEXATTN_FAIL_LOG set, append each failure's report there as it happens (a
     run cut off by a time limit still leaves its failures behind); with
     FLEXATTN_PROGRESS_LOG set, one line per finished test (outcome, seconds, id), so such
     a run also says what it finished and what took its time."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if _IS_XDIST_WORKER:
         return  # under xdist the controller sees every report too; log each once
     progress = os.environ.get("FLEXATTN_PROGRESS_LOG")
     if progress and (report.when == "call" or report.outcome != "passed"):

@@ -14,6 +14,8 @@ OWN_SWITCHES = ("FLEXATTN_SHARD", "FLEXATTN_RESUME", "FLEXATTN_PROGRESS_LOG", "F
 
 
 def _environment(**switches: str) -> dict[str, str]:
+    """This process's environment without the calling run's own switches, plus ``switches``
+    (xdist's worker variables stay: a run started from a worker must still log)."""
     return {**{k: v for k, v in os.environ.items() if k not in OWN_SWITCHES}, **switches}
 
 
