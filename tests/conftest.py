@@ -119,18 +119,20 @@ def pytest_collection_modifyitems(config, items):
     resume = os.environ.get("FLEXATTN_RESUME")
     if resume:
         done = finished_tests(resume)
-        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
-        items[:] = [item for item in items if item.nodeid not in done]
+        _keep_only(config, items, [item.nodeid not in done for item in items])
     shard = os.environ.get("FLEXATTN_SHARD")
     if not shard:
         return
     index, count = (int(x) for x in shard.split("/"))
     if not 1 <= index <= count:
         raise pytest.UsageError(f"FLEXATTN_SHARD must be i/n with 1 <= i <= n, got {shard!r}")
-    kept = [item for position, item in enumerate(items) if position % count == index - 1]
-    config.hook.pytest_deselected(items=[item for position, item in enumerate(items)
-                                         if position % count != index - 1])
-    items[:] = kept
+    _keep_only(config, items, [position % count == index - 1 for position in range(len(items))])
+
+
+def _keep_only(config, items, keep: list[bool]) -> None:
+    """Deselect the items whose ``keep`` entry is False (reported as deselected)."""
+    config.hook.pytest_deselected(items=[item for item, kept in zip(items, keep) if not kept])
+    items[:] = [item for item, kept in zip(items, keep) if kept]
 
 
 #: Whether this process is an xdist worker (set per session; the environment variable

@@ -19,11 +19,16 @@ def _environment(**switches: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in OWN_SWITCHES}, **switches}
 
 
+def _pytest(*args: str, **switches: str) -> str:
+    """The output of a pytest run of ``args`` in the repository, which must succeed."""
+    run = subprocess.run([sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                         env=_environment(**switches), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
 def _collected(env: dict[str, str]) -> list[str]:
-    run = subprocess.run([sys.executable, "-m", "pytest", TARGET, "--collect-only", "-q", "-p", "no:cacheprovider"],
-                         cwd=ROOT, env=_environment(**env), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    return [line for line in run.stdout.splitlines() if line.startswith(TARGET + "::")]
+    return [line for line in _pytest(TARGET, "--collect-only", **env).splitlines() if line.startswith(TARGET + "::")]
 
 
 def test_resume_drops_finished_tests_then_shards(tmp_path):
@@ -44,10 +49,7 @@ def test_resume_drops_finished_tests_then_shards(tmp_path):
 def test_progress_log_has_one_line_per_test_under_xdist(tmp_path):
     log = tmp_path / "progress.log"
     target = "tests/test_options.py"
-    run = subprocess.run([sys.executable, "-m", "pytest", target, "-q", "-n", "2", "-p", "no:cacheprovider"],
-                         cwd=ROOT, env=_environment(FLEXATTN_PROGRESS_LOG=str(log)), capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    _pytest(target, "-n", "2", FLEXATTN_PROGRESS_LOG=str(log))
     ids = [line.split(" ", 3)[3] for line in log.read_text().splitlines()]
     assert ids and len(ids) == len(set(ids)), "a test logged twice"
     assert all(nodeid.startswith(target + "::") for nodeid in ids)
