@@ -335,6 +335,18 @@ def test_no_full_blocks(one_kv_loop):
     run_case(dtype=torch.float16, L=n, S=n, block_mask_tuple=tuple(t), options={"ONE_KV_LOOP": one_kv_loop})
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["document", "document_causal"])
+def test_memory_mask_tile(causal):
+    """sm90's D=64 tile for a mask_mod that reads captured tensors (one loop over 64x64
+    tiles, MEMORY_MASK_TABLES), pinned so that the interpreter runs it too: documents of
+    unequal odd lengths (rows of a few blocks, a partial block at every boundary), GQA."""
+    n = scaled(150, 1500)
+    docs = mods.document_mask(_doc_ids(n))
+    run_case(dtype=torch.float16, Hq=4, Hkv=2, L=n, S=n, E=64,
+             mask_mod=and_masks(docs, mods.causal_mask) if causal else docs,
+             options={"fwd_ONE_KV_LOOP": True, "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64})
+
+
 # --------------------------------------------------------------------------------------
 # GPU-only: precision modes and 64-bit offsets
 # --------------------------------------------------------------------------------------

@@ -288,6 +288,15 @@ def test_one_kv_loop_choice(monkeypatch):
     assert not cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True)[0].one_kv_loop
     assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {"ONE_KV_LOOP": True},
                                   mask_reads_memory=True)[0].one_kv_loop
+    # ... except where MEMORY_MASK_TABLES has a tile of its own (sm90 D=64: one loop, 64x64);
+    # pinned fields and the autotune candidates (two loops) as elsewhere.
+    memory_tile = cfgs.candidate_configs(dev, 64, torch.bfloat16, True, {}, mask_reads_memory=True)
+    assert memory_tile[0] == cfgs.ForwardConfig(64, 64, 4, 2, one_kv_loop=True)
+    assert not any(c.one_kv_loop for c in memory_tile[1:])
+    assert cfgs.candidate_configs(dev, 64, torch.bfloat16, False, {})[0] == cfgs.SM90[(64, "16bit")]
+    assert cfgs.candidate_configs(dev, 64, torch.bfloat16, False, {"fwd_ONE_KV_LOOP": False},
+                                  mask_reads_memory=True)[0] == cfgs.ForwardConfig(64, 64, 4, 2)
+    assert not cfgs.candidate_configs(dev, 64, torch.float32, False, {}, mask_reads_memory=True)[0].one_kv_loop
     assert not cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {"fwd_ONE_KV_LOOP": False})[0].one_kv_loop
     # float64 takes the float32 tiles (no tensor cores; its probability tile is staged
     # in shared memory, which the estimate counts).

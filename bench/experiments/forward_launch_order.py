@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 from torch.nn.attention import flex_attention as tflex
@@ -19,6 +21,9 @@ import flexattn
 from flexattn import mods
 from _in_turn import medians_in_turn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_attention import document_ids  # noqa: E402
+
 VARIANTS = {
     "index": {"REVERSED_Q_TILES": False},
     "reversed": {"REVERSED_Q_TILES": True},
@@ -27,9 +32,13 @@ VARIANTS = {
 
 def mask_of(name: str, S: int):
     """``name`` or ``name:N``: a document mask takes N-token documents (default: 8 per
-    sequence); ``padding`` keeps keys below a per-batch length between S/2 and S (a mask
+    sequence); ``document_random:N`` / ``document_random_causal:N``: N documents of the suite's
+    seeded random lengths (``bench_attention.document_ids``); ``padding`` keeps keys below a per-batch length between S/2 and S (a mask
     that reads memory and keeps long rows)."""
     name, _, arg = name.partition(":")
+    if name in ("document_random", "document_random_causal"):
+        docs = mods.document_mask(document_ids(S, int(arg or 8), torch.device("cuda")))
+        return docs if name == "document_random" else flexattn.and_masks(docs, mods.causal_mask)
     if name in ("document", "document_causal") and arg:
         docs = mods.document_mask(torch.arange(S, device="cuda") // int(arg))
         return docs if name == "document" else flexattn.and_masks(docs, mods.causal_mask)

@@ -101,9 +101,23 @@ def generation_table(tables: dict[str, dict[tuple[int, str], Any]], device: torc
     """A kernel's default configuration for a call: its GPU model's table (``"sm90-h100"``)
     where that has the entry, else its generation's, at the head-dim bucket and dtype
     width."""
+    entry = table_entry(tables, device, padded_head_dim, dtype)
+    if entry is None:
+        generation = gpu_generation(device)
+        raise KeyError(f"no {generation} entry for head dim {padded_head_dim} and {dtype}")
+    return entry
+
+
+def table_entry(tables: dict[str, dict[tuple[int, str], Any]], device: torch.device, padded_head_dim: int,
+                dtype: torch.dtype):
+    """``generation_table``'s lookup for tables that hold only some entries (of some
+    generations): the entry, or None where neither the model's nor the generation's
+    table has one."""
     generation, key = gpu_generation(device), (head_dim_bucket(padded_head_dim), dtype_width(dtype))
-    model = tables.get(f"{generation}-{gpu_model(device)}", {})
-    return model[key] if key in model else tables[generation][key]
+    for name in (f"{generation}-{gpu_model(device)}", generation):
+        if key in tables.get(name, {}):
+            return tables[name][key]
+    return None
 
 
 def shared_memory_limit(device: torch.device) -> int | None:

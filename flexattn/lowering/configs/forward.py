@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from .base import (MIN_TILE, TileConfig, check_pinned, fit_candidates, generation_table, no_config_error,
-                   with_pinned)
+                   table_entry, with_pinned)
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,15 @@ GENERIC: dict[tuple[int, str], ForwardConfig] = {
 SM90_H100: dict[tuple[int, str], ForwardConfig] = {}
 TABLES = {"sm90": SM90, "sm90-h100": SM90_H100, "sm80": SM80, "generic": GENERIC}
 
+# Defaults, by the same keys, for a mask_mod that reads captured tensors (document ids,
+# per-batch lengths). Packed documents give such masks short rows, where one loop over
+# 64x64 tiles at D=64 beats the two-loop 64x128 tile; elsewhere the generation's tile with
+# two loops (bench/DECISIONS.md#forward-memory-mask-tiles, #forward-mask-reads-memory).
+SM90_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
+    (64, "16bit"): ForwardConfig(64, 64, 4, 2, one_kv_loop=True),
+}
+MEMORY_MASK_TABLES = {"sm90": SM90_MEMORY_MASK}
+
 #: Extra candidates benchmarked under max_autotune (after fitting).
 AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
     ForwardConfig(128, 64, 8, 3),
@@ -91,8 +100,14 @@ REVERSED_Q_TILES = False
 SMEM_STEPS = (("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n", MIN_TILE))
 
 
-def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype) -> ForwardConfig:
-    return generation_table(TABLES, device, padded_head_dim, dtype)
+def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype,
+                   mask_reads_memory: bool = False) -> ForwardConfig:
+    """The call's default tile; ``mask_reads_memory``: the mask_mod reads captured tensors."""
+    config = generation_table(TABLES, device, padded_head_dim, dtype)
+    if not mask_reads_memory:
+        return config
+    return (table_entry(MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
+            or dataclasses.replace(config, one_kv_loop=False))
 
 
 def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, elem_bytes: int,
@@ -114,15 +129,15 @@ def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.d
                       kernel_options: dict[str, Any], mask_reads_memory: bool = False) -> list[ForwardConfig]:
     """Default (+ autotune candidates), with pinned fields applied, deduplicated.
 
-    A mask_mod that reads captured tensors keeps one loop per block group unless
-    ONE_KV_LOOP is pinned: behind the one loop's branch its loads are not
-    software-pipelined (bench/DECISIONS.md#forward-mask-reads-memory).
+    A mask_mod that reads captured tensors takes ``MEMORY_MASK_TABLES``' tile where it has
+    one; otherwise it keeps one loop per block group unless ONE_KV_LOOP is pinned: behind
+    the one loop's branch its loads are not software-pipelined
+    (bench/DECISIONS.md#forward-mask-reads-memory). So do the autotune candidates.
     """
-    configs = [default_config(device, padded_head_dim, dtype)]
+    configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory)]
     if max_autotune:
-        configs += list(AUTOTUNE_CANDIDATES)
-    if mask_reads_memory:
-        configs = [dataclasses.replace(cfg, one_kv_loop=False) for cfg in configs]
+        configs += [dataclasses.replace(cfg, one_kv_loop=False) if mask_reads_memory else cfg
+                    for cfg in AUTOTUNE_CANDIDATES]
     return with_pinned(configs, ForwardConfig.pinned_fields(kernel_options))
 
 
