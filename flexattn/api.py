@@ -360,7 +360,8 @@ def flex_attention(
     *,
     return_aux: AuxRequest | None = None,
     sinks: Tensor | None = None,
-    dropout_p: float = 0.0,
+    # An int: Dynamo takes a float default for a symbolic input, then restarts to specialise it.
+    dropout_p: float = 0,
 ):
     """Attention with a user-defined score modification and block-sparse mask.
 

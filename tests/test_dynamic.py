@@ -7,10 +7,13 @@ symbolic ints. The fused kernel must handle the first and specialise on the othe
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import torch._dynamo.testing
+from torch._inductor.utils import fresh_inductor_cache
 
 import flexattn
 from flexattn import mods
@@ -41,6 +44,24 @@ def test_lengths_options_and_head_dims_change_between_calls():
     for E in (16, 32):
         q, k, v = (torch.randn(2, 2, L, E, device=DEVICE) for _ in range(3))
         _check(compiled, q, k, v, bm)
+
+
+def test_one_graph_for_a_dynamic_partial():
+    """flex_attention bound with functools.partial and compiled with dynamic=True (as torch's
+    own tests call it) is one graph on its first call: no default argument is a float,
+    which Dynamo would take as a symbolic input and then restart its analysis to specialise
+    (two compiles; AOT autograd's pass is the one that asks, hence aot_eager)."""
+    L = 32
+    bm = flexattn.create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=16)
+    q, k, v = (torch.randn(2, 2, L, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with fresh_inductor_cache():
+        torch._dynamo.reset()
+        out = torch.compile(functools.partial(flexattn.flex_attention, block_mask=bm), backend=counter,
+                            dynamic=True)(q, k, v)
+    assert counter.frame_count == 1
+    ref = flexattn.flex_attention(q.double(), k.double(), v.double(), block_mask=bm)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.workflow
