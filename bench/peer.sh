@@ -15,6 +15,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 export PEER_UPSTREAM_DIR=${PEER_UPSTREAM_DIR:-$root/.peer}
 runner=${PEER_RUNNER_DIR:-$root/../shared/peer}
 export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+# The workers compile in their own processes (scripts/gpu_run.sh says why).
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 device=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-') if torch.cuda.is_available() else 'cpu')")
 stamp=$(date -u +%Y%m%d-%H%M%S)
 for file in fa fd; do
