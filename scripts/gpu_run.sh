@@ -14,6 +14,8 @@ OUT=${OUT:-/tmp/flexattn-out}
 mkdir -p "$OUT"
 GPUS=${GPUS:-1}
 if [ "$GPUS" -gt 1 ]; then
+  # One import first, so the shards' workers do not all read torch from a cold disk at once.
+  python3 -c "import torch, triton, flexattn" >/dev/null 2>&1
   for i in $(seq 1 "$GPUS"); do
     # (A prefix assignment sees the ones before it, so these are named first.)
     SHARD="$i/$GPUS" SHARD_OUT="$OUT/shard$i"
