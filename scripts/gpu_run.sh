@@ -42,8 +42,8 @@ fi
 # installed (the GPU image has it).
 if python3 -c "import xdist" >/dev/null 2>&1; then
   PARALLEL="-n $WORKERS"
-  # Each worker compiles in its own process: Inductor's default pool of cpu_count compile
-  # processes per worker swamped a 4-GPU host (3 shards x 12 workers x 64).
+  # Each worker compiles in its own process: by default every worker starts a pool of
+  # cpu_count compile processes, too many for a multi-GPU host's shards.
   export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 fi
 {

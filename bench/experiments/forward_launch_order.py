@@ -32,9 +32,10 @@ VARIANTS = {
 
 def mask_of(name: str, S: int):
     """``name`` or ``name:N``: a document mask takes N-token documents (default: 8 per
-    sequence); ``document_random:N`` / ``document_random_causal:N``: N documents of the suite's
-    seeded random lengths (``bench_attention.document_ids``); ``padding`` keeps keys below a per-batch length between S/2 and S (a mask
-    that reads memory and keeps long rows)."""
+    sequence); ``document_random:N`` / ``document_random_causal:N``: N documents of the
+    suite's seeded random lengths (``bench_attention.document_ids``); ``padding`` keeps
+    keys below a per-batch length between S/2 and S (a mask that reads memory and keeps
+    long rows)."""
     name, _, arg = name.partition(":")
     if name in ("document_random", "document_random_causal"):
         docs = mods.document_mask(document_ids(S, int(arg or 8), torch.device("cuda")))
