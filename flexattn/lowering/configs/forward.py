@@ -132,12 +132,12 @@ def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.d
     A mask_mod that reads captured tensors takes ``MEMORY_MASK_TABLES``' tile where it has
     one; otherwise it keeps one loop per block group unless ONE_KV_LOOP is pinned: behind
     the one loop's branch its loads are not software-pipelined
-    (bench/DECISIONS.md#forward-mask-reads-memory). So do the autotune candidates.
+    (bench/DECISIONS.md#forward-mask-reads-memory). The autotune candidates are all
+    two-loop tiles.
     """
     configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory)]
     if max_autotune:
-        configs += [dataclasses.replace(cfg, one_kv_loop=False) if mask_reads_memory else cfg
-                    for cfg in AUTOTUNE_CANDIDATES]
+        configs += list(AUTOTUNE_CANDIDATES)
     return with_pinned(configs, ForwardConfig.pinned_fields(kernel_options))
 
 
