@@ -19,6 +19,7 @@ and the markdown table beside them, and prints the table last.
     python bench/bench_attention.py                         # full suite, fwd and fwdbwd
     python bench/bench_attention.py --quick                 # S=4096 subset, fwd, < 3 min
     python bench/bench_attention.py --suite short           # S<=4096 causal/ALiBi/document, D=64 and 128
+    python bench/bench_attention.py --suite short --rounds 3  # each cell timed 3 times in turn, median
     python bench/bench_attention.py --cases causal_s8192_d128 --mode fwdbwd
     python bench/bench_attention.py --dry-run               # CPU, tiny shapes, seconds
     python bench/bench_attention.py --merge a.json b.json   # one result file from parts
@@ -237,6 +238,9 @@ class Settings:
     rep_ms: int
     cpu_reps: int
     not_run: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    #: Timings per cell, taken in rounds in turn over a case's impls; a cell's ``ms`` is
+    #: their median (host-bound cells move with the host from one moment to the next).
+    rounds: int = 1
 
 
 @dataclasses.dataclass
@@ -415,7 +419,8 @@ def _refusal(error: BaseException, caught: list[warnings.WarningMessage]) -> str
     return "backend refused: " + ("; ".join(reasons[:2]) or str(error).splitlines()[0])[:240]
 
 
-def run_cell(impl: str, prepared: Prepared, mode: str, settings: Settings, reference: dict) -> dict[str, Any]:
+def run_cell(impl: str, prepared: Prepared, mode: str, settings: Settings,
+             reference: dict) -> tuple[dict[str, Any], Callable[[], float] | None]:
     """Compile, check and time one (impl, case, mode); never raises.
 
     Returns a record with ``ms``, ``tflops``, ``compile_s`` (flex impls: wall time of the
@@ -424,20 +429,22 @@ def run_cell(impl: str, prepared: Prepared, mode: str, settings: Settings, refer
     ``max_abs_err_grads`` (fwdbwd: dq, dk, dv against torch_flex's, for information); or
     ``error`` / ``note`` instead.
     ``reference`` holds torch_flex's results, keyed by mode, for later cells to compare.
+    Also returns a timer of the compiled call for later rounds (None when it failed).
+    The caller resets Dynamo before a mode's cells, so every impl's compiled call stays
+    valid for the rounds after them.
     """
     case = prepared.case
     record: dict[str, Any] = {"case": case.name, "mode": mode, "impl": impl}
     if (impl, mode) in settings.not_run:
         record["note"] = settings.not_run[(impl, mode)]
-        return record
+        return record, None
     if impl.startswith("sdpa") and case.sdpa_causal is None:
         record["note"] = "no SDPA variant"
-        return record
+        return record, None
     q, k, v = prepared.inputs[mode]
     grads = [q, k, v] if mode == "fwdbwd" else []
     for tensor in grads:
         tensor.grad = None
-    torch._dynamo.reset()
     caught: list[warnings.WarningMessage] = []
     try:
         with warnings.catch_warnings(record=True) as caught, _backend_context(impl):
@@ -469,11 +476,11 @@ def run_cell(impl: str, prepared: Prepared, mode: str, settings: Settings, refer
             torch.cuda.empty_cache()
         if impl.startswith("sdpa") and "no available kernel" in str(error).lower():
             record["note"] = _refusal(error, caught)
-            return record
+            return record, None
         message = error_text(error)
         record["error"] = message[:400]
         print(f"warning: {impl} {case.name} {mode} failed: {message[:160]}", file=sys.stderr, flush=True)
-        return record
+        return record, None
     for tensor in grads:
         tensor.grad = None
     if impl == "torch_flex":
@@ -485,10 +492,28 @@ def run_cell(impl: str, prepared: Prepared, mode: str, settings: Settings, refer
         if mode == "fwdbwd":
             record["max_abs_err_grads"] = _max_abs_diff(results[1:], expected[1:])
     record["ms"] = ms
+    record["ms_rounds"] = [ms]
     record["peak_mem_mib"] = peak
     if impl in FLEX_IMPLS:
         record["compile_s"] = first_call_s
-    return record
+
+    def timer() -> float:
+        with _backend_context(impl):
+            return median_ms(step, grads, settings)
+
+    return record, timer
+
+
+def time_in_turn(records: dict[str, dict[str, Any]], timers: dict[str, Callable[[], float]], rounds: int) -> None:
+    """Rounds 2..``rounds`` of the timed cells of one (case, mode), in turn, each round
+    starting one impl later; each record's ``ms`` becomes the median of its rounds."""
+    names = list(timers)
+    for round_index in range(1, rounds):
+        shift = round_index % len(names) if names else 0
+        for impl in names[shift:] + names[:shift]:
+            records[impl]["ms_rounds"].append(timers[impl]())
+    for impl in names:
+        records[impl]["ms"] = statistics.median(records[impl]["ms_rounds"])
 
 
 def run_case(case: Case, modes: list[str], settings: Settings) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -516,12 +541,19 @@ def run_case(case: Case, modes: list[str], settings: Settings) -> tuple[dict[str
     cells = []
     for mode in modes:
         reference: dict = {}
+        records: dict[str, dict[str, Any]] = {}
+        timers: dict[str, Callable[[], float]] = {}
+        torch._dynamo.reset()
         for impl in ("torch_flex", "flexattn", "sdpa_flash", "sdpa_cudnn"):
-            cell = run_cell(impl, prepared, mode, settings, reference)
+            records[impl], timer = run_cell(impl, prepared, mode, settings, reference)
+            if timer is not None:
+                timers[impl] = timer
+        time_in_turn(records, timers, settings.rounds)
+        for cell in records.values():
             if "ms" in cell:
                 cell["tflops"] = info["fwd_flops"] * FLOP_FACTOR[mode] / (cell["ms"] * 1e-3) / 1e12
             cells.append(cell)
-        del reference
+        del reference, records, timers
     del prepared
     if settings.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -579,9 +611,11 @@ def markdown_table(report: dict[str, Any]) -> str:
     ratios = report["summary"]["ratio"]
     modes = [m for m in MODES if any(r["mode"] == m for r in report["results"])]
     dry = " (DRY RUN: tiny shapes, timings meaningless)" if report["settings"].get("dry_run") else ""
+    count = report["settings"].get("rounds", 1)
+    rounds = f", median of {count} rounds taken in turn" if count > 1 else ""
     lines = [
         f"flexattn vs torch flex on {report['gpu']} (torch {report['torch']}, triton {report['triton']}), "
-        f"{report['settings']['dtype']}; TFLOP/s over unmasked entries{dry}",
+        f"{report['settings']['dtype']}; TFLOP/s over unmasked entries{rounds}{dry}",
         "",
         "| case | mode | flexattn | torch flex | ratio | SDPA flash | SDPA cuDNN | compile s fa/tf | peak MiB fa/tf | max err |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -700,6 +734,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="use the existing Inductor/Triton caches (default: fresh ones, so compile_s is a cold compile)",
     )
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time each cell this many times, in turn over a case's impls; ms is the median "
+                             "(default 1; 3 or more where calls are host-bound, S <= 2048)")
     parser.add_argument("--part", help="K/N: run only the K-th of N contiguous slices of the selected cases")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="combine result files into one")
@@ -782,6 +819,8 @@ def merge(paths: list[Path], out_dir: Path, command: str) -> Path:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the selected cases and modes, write the result files, print the table; returns the report."""
     args = parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds takes a whole number >= 1, got {args.rounds}")
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_attention.py", *(sys.argv[1:] if argv is None else argv)])
     if args.merge:
         return json.loads(merge(args.merge, args.out or RESULTS_DIR, command).read_text())
@@ -810,6 +849,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rep_ms=100 if args.quick else 500,
         cpu_reps=1,
         not_run=DRY_RUN_NOT_RUN if args.dry_run else {},
+        rounds=args.rounds,
     )
     now = datetime.datetime.now()
     report: dict[str, Any] = {
@@ -836,6 +876,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "warmup_ms": settings.warmup_ms,
             "rep_ms": settings.rep_ms,
             "timer": "triton.testing.do_bench median" if device.type == "cuda" else f"perf_counter median of {settings.cpu_reps}",
+            "rounds": settings.rounds,
             "flops": "4*B*H*S*S*D*density forward; fwdbwd 3.5x that (backward 2.5x)",
             "density": "exact entry density of the mask where computable (density_kind per case), else block density",
             "error_flag": ERROR_FLAG,
@@ -844,7 +885,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": [],
     }
     out_dir = args.out or (RESULTS_DIR / "dry-run" if args.dry_run else RESULTS_DIR)
+    # Suffixed runs (quick, short) stay out of the README's table (bench/report.py).
     stem = f"attention-{slug(gpu)}-{now:%Y%m%d-%H%M%S}" + ("-quick" if args.quick else "")
+    if args.suite == "short" and not args.quick and not args.cases:
+        stem += "-short"
     if args.part:
         stem += "-part{}of{}".format(*_parse_part(args.part))
     total_start = time.perf_counter()

@@ -101,6 +101,40 @@ def test_flex_cells_are_timed_checked_and_counted(dry_run):
     assert info[causal]["density"] == pytest.approx((256 * 257 / 2) / 256**2)
 
 
+def test_rounds_in_turn_take_the_median(tmp_path, monkeypatch):
+    # Each timing returns the next of a known sequence, so each record's ms must be the
+    # median of its own rounds, taken in the rotated order time_in_turn promises.
+    times = iter([5.0, 1.0, 3.0, 9.0, 2.0, 4.0, 7.0, 8.0, 6.0])
+
+    def fake_median_ms(fn, grads, settings):
+        fn()
+        return next(times)
+
+    monkeypatch.setattr(bench, "median_ms", fake_median_ms)
+    report = bench.main(["--dry-run", "--cases", "causal_s8192_d128", "--mode", "fwd", "--rounds", "3",
+                         "--out", str(tmp_path)])
+    cells = _cells(report)
+    # Round 1 in the impls' order, round 2 starting at the second impl, round 3 at the third.
+    expected = {"torch_flex": [5.0, 4.0, 8.0], "flexattn": [1.0, 9.0, 6.0], "sdpa_flash": [3.0, 2.0, 7.0]}
+    for impl, rounds in expected.items():
+        cell = cells[("causal_s8192_d128", "fwd", impl)]
+        assert cell["ms_rounds"] == rounds
+        assert cell["ms"] == sorted(rounds)[1]
+    assert cells[("causal_s8192_d128", "fwd", "flexattn")]["tflops"] == pytest.approx(
+        report["cases"][0]["fwd_flops"] / 6e-3 / 1e12)
+    assert report["settings"]["rounds"] == 3
+    assert "median of 3 rounds taken in turn" in (tmp_path / "latest.md").read_text()
+    with pytest.raises(SystemExit, match="--rounds"):
+        bench.main(["--dry-run", "--cases", "causal_s8192_d128", "--rounds", "0", "--out", str(tmp_path)])
+
+
+def test_short_suite_files_stay_out_of_the_readme_table(tmp_path):
+    bench.main(["--dry-run", "--suite", "short", "--part", "1/18", "--mode", "fwd", "--out", str(tmp_path)])
+    written = [p.name for p in tmp_path.glob("attention-*.json")]
+    assert len(written) == 1 and written[0].endswith("-short-part1of18.json")
+    assert not _load("report").result_files(tmp_path, "attention")
+
+
 def test_ratios_geomean_and_table(dry_run):
     _, report = dry_run
     cells = _cells(report)
