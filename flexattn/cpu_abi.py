@@ -141,13 +141,12 @@ def common_header() -> str:
     return render_cpp("cpu_common.h", MAX_ROW=MAX_ROW, DECLARATIONS=c_declarations())
 
 
+_STRIDE_ARRAYS = {n: ctypes.c_int64 * n for n in range(1, 5)}
+
+
 def strides(t: torch.Tensor | None, n: int):
     """A tensor's strides as the fixed-size array of a CallArgs field (zeros for None)."""
-    array = (ctypes.c_int64 * n)()
-    if t is not None:
-        for i, s in enumerate(t.stride()):
-            array[i] = s
-    return array
+    return _STRIDE_ARRAYS[n]() if t is None else _STRIDE_ARRAYS[n](*t.stride())
 
 
 def data(t: torch.Tensor | None) -> int | None:

@@ -118,46 +118,63 @@ def _pointer_array(tensors: Sequence[torch.Tensor]):
     return array
 
 
-def _call_args(plan, query, key, value, kv_num, kv_idx, full_num, full_idx, buffers, symbols, mods,
-               keep_alive: list) -> cpu_abi.CallArgs:
-    """The CallArgs fields that forward and backward share."""
-    B, Hq, L, E = query.shape
-    _, Hkv, S, _ = key.shape
+@functools.lru_cache(maxsize=256)
+def _prototype(plan: str, mods: str) -> tuple[dict[str, Any], cpu_abi.CallArgs, int]:
+    """(plan dict, the CallArgs fields that depend only on the plan and the mods, the math
+    table's address): built once per compiled call, copied per run."""
+    plan_dict = parse_plan(plan)
     args = cpu_abi.CallArgs()
-    args.dtype = cpu_abi.DTYPE_CODES[query.dtype]
-    args.B, args.Hq, args.Hkv, args.L, args.S, args.E, args.Ev = B, Hq, Hkv, L, S, E, value.shape[-1]
-    for name, t in (("q", query), ("k", key), ("v", value)):
-        setattr(args, name, cpu_abi.data(t))
-        setattr(args, f"{name}_strides", cpu_abi.strides(t, 4))
-    for prefix, num, idx in (("kv", kv_num, kv_idx), ("full", full_num, full_idx)):
-        present = num is not None and idx is not None and num.numel() > 0 and idx.numel() > 0
-        setattr(args, f"{prefix}_num", cpu_abi.data(num) if present else None)
-        setattr(args, f"{prefix}_num_strides", cpu_abi.strides(num if present else None, 3))
-        setattr(args, f"{prefix}_idx", cpu_abi.data(idx) if present else None)
-        setattr(args, f"{prefix}_idx_strides", cpu_abi.strides(idx if present else None, 4))
-        setattr(args, f"{prefix}_idx_width", idx.shape[-1] if present else 0)
-    args.q_block, args.kv_block = plan["q_block"], plan["kv_block"]
-    args.q_tile, args.kv_tile = plan["q_tile"], plan["kv_tile"]
-    args.scale = plan["scale"]
-    args.threads = torch.get_num_threads()
-    args.deterministic = int(bool(plan.get("deterministic")))
+    args.q_block, args.kv_block = plan_dict["q_block"], plan_dict["kv_block"]
+    args.q_tile, args.kv_tile = plan_dict["q_tile"], plan_dict["kv_tile"]
+    args.scale = plan_dict["scale"]
+    args.deterministic = int(bool(plan_dict.get("deterministic")))
     args.sgemm, args.dgemm = blas_symbols()
-
-    buffer_ptrs = _pointer_array(buffers)
-    symbol_values = (ctypes.c_int64 * max(1, len(symbols)))(*[int(s) for s in symbols])
-    ctx = cpu_abi.ModContext()
-    ctx.buffers = ctypes.cast(buffer_ptrs, ctypes.c_void_p)
-    ctx.symbols = ctypes.cast(symbol_values, ctypes.c_void_p)
-    ctx.math = engine().fa_math()
-    keep_alive += [buffer_ptrs, symbol_values, ctx, buffers]
     if mods:
-        lib, score, mask, joint = mod_library(mods)
-        keep_alive.append(lib)
-        args.score_fn = score if plan.get("score") else None
-        args.mask_fn = mask if plan.get("mask") else None
-        args.joint_fn = joint if plan.get("joint") else None
+        _, score, mask, joint = mod_library(mods)
+        args.score_fn = score if plan_dict.get("score") else None
+        args.mask_fn = mask if plan_dict.get("mask") else None
+        args.joint_fn = joint if plan_dict.get("joint") else None
+    return plan_dict, args, engine().fa_math()
+
+
+def _call_args(plan: str, query, key, value, kv_num, kv_idx, full_num, full_idx, buffers, symbols, mods,
+               keep_alive: list) -> tuple[dict[str, Any], cpu_abi.CallArgs]:
+    """The plan's dict and the CallArgs fields that forward and backward share."""
+    plan_dict, prototype, math = _prototype(plan, mods)
+    args = cpu_abi.CallArgs.from_buffer_copy(prototype)
+    B, Hq, L, E = query.shape
+    args.dtype = cpu_abi.DTYPE_CODES[query.dtype]
+    args.B, args.Hq, args.Hkv, args.L, args.S, args.E, args.Ev = B, Hq, key.shape[1], L, key.shape[2], E, value.shape[-1]
+    args.q, args.q_strides = cpu_abi.data(query), cpu_abi.strides(query, 4)
+    args.k, args.k_strides = cpu_abi.data(key), cpu_abi.strides(key, 4)
+    args.v, args.v_strides = cpu_abi.data(value), cpu_abi.strides(value, 4)
+    if _present(kv_num, kv_idx):
+        args.kv_num, args.kv_num_strides = kv_num.data_ptr(), cpu_abi.strides(kv_num, 3)
+        args.kv_idx, args.kv_idx_strides = kv_idx.data_ptr(), cpu_abi.strides(kv_idx, 4)
+        args.kv_idx_width = kv_idx.shape[-1]
+    if _present(full_num, full_idx):
+        args.full_num, args.full_num_strides = full_num.data_ptr(), cpu_abi.strides(full_num, 3)
+        args.full_idx, args.full_idx_strides = full_idx.data_ptr(), cpu_abi.strides(full_idx, 4)
+        args.full_idx_width = full_idx.shape[-1]
+    args.threads = torch.get_num_threads()
+
+    ctx = cpu_abi.ModContext()
+    ctx.math = math
+    if buffers:
+        buffer_ptrs = _pointer_array(buffers)
+        ctx.buffers = ctypes.addressof(buffer_ptrs)
+        keep_alive += [buffer_ptrs, buffers]
+    if symbols:
+        symbol_values = (ctypes.c_int64 * len(symbols))(*[int(s) for s in symbols])
+        ctx.symbols = ctypes.addressof(symbol_values)
+        keep_alive.append(symbol_values)
+    keep_alive.append(ctx)
     args.ctx = ctypes.addressof(ctx)
-    return args
+    return plan_dict, args
+
+
+def _present(num: torch.Tensor | None, idx: torch.Tensor | None) -> bool:
+    return num is not None and idx is not None and num.numel() > 0 and idx.numel() > 0
 
 
 def _set_dropout(args: cpu_abi.CallArgs, plan: dict, seed: torch.Tensor | None) -> None:
@@ -169,8 +186,13 @@ def _set_dropout(args: cpu_abi.CallArgs, plan: dict, seed: torch.Tensor | None) 
     args.seed_key, args.seed_stream = key & (2**64 - 1), stream & (2**64 - 1)
 
 
+@functools.lru_cache(maxsize=None)
+def _entry(name: str):
+    return getattr(engine(), name)
+
+
 def _run(entry: str, args: cpu_abi.CallArgs) -> None:
-    rc = getattr(engine(), entry)(ctypes.addressof(args))
+    rc = _entry(entry)(ctypes.addressof(args))
     if rc:
         raise CpuKernelError(f"flexattn: the CPU attention {entry[3:]} failed with {_ENGINE_ERRORS.get(rc, rc)}")
 
@@ -190,11 +212,16 @@ _LIBRARY.define(
     "str mods, str plan) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
-def _forward_outputs(query, value):
-    B, Hq, L, _ = query.shape
+def _forward_outputs(query, value, run: bool = False):
+    """out, lse and max_scores; ``run`` (the real kernel, concrete sizes) takes a dense
+    query's output without output_strides' sort, whose answer it is."""
+    B, Hq, L, E = query.shape
     Ev = value.shape[-1]
-    out = torch.empty_strided((B, Hq, L, Ev), output_strides(query, Ev), dtype=query.dtype, device=query.device)
-    lse = query.new_empty((B, Hq, L), dtype=stats_dtype(query.dtype))
+    if run and query.stride() == (Hq * L * E, L * E, E, 1):
+        out = torch.empty((B, Hq, L, Ev), dtype=query.dtype, device=query.device)
+    else:
+        out = torch.empty_strided((B, Hq, L, Ev), output_strides(query, Ev), dtype=query.dtype, device=query.device)
+    lse = torch.empty((B, Hq, L), dtype=stats_dtype(query.dtype), device=query.device)
     return out, lse, torch.empty_like(lse)
 
 
@@ -214,11 +241,10 @@ def _backward_outputs(plan, query, key, value, grad_sizes):
 @torch.library.impl(_LIBRARY, "cpu_flash_forward", "CPU")
 def _cpu_flash_forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sinks,
                        dropout_seed, buffers, symbols, mods, plan):
-    plan_dict = parse_plan(plan)
-    out, lse, max_scores = _forward_outputs(query, value)
+    out, lse, max_scores = _forward_outputs(query, value, run=True)
     keep_alive: list = []
-    args = _call_args(plan_dict, query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                      buffers, symbols, mods, keep_alive)
+    plan_dict, args = _call_args(plan, query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                 full_kv_indices, buffers, symbols, mods, keep_alive)
     args.out, args.out_strides = out.data_ptr(), cpu_abi.strides(out, 4)
     args.lse, args.lse_strides = lse.data_ptr(), cpu_abi.strides(lse, 3)
     args.max_scores, args.max_strides = max_scores.data_ptr(), cpu_abi.strides(max_scores, 3)
@@ -238,11 +264,10 @@ def _fake_cpu_flash_forward(query, key, value, kv_num_blocks, kv_indices, full_k
 @torch.library.impl(_LIBRARY, "cpu_flash_backward", "CPU")
 def _cpu_flash_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, kv_num_blocks, kv_indices,
                         full_kv_num_blocks, full_kv_indices, dropout_seed, buffers, symbols, grad_sizes, mods, plan):
-    plan_dict = parse_plan(plan)
-    grad_query, grad_key, grad_value, grads = _backward_outputs(plan_dict, query, key, value, grad_sizes)
+    grad_query, grad_key, grad_value, grads = _backward_outputs(parse_plan(plan), query, key, value, grad_sizes)
     keep_alive: list = []
-    args = _call_args(plan_dict, query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                      buffers, symbols, mods, keep_alive)
+    plan_dict, args = _call_args(plan, query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                 full_kv_indices, buffers, symbols, mods, keep_alive)
     for name, t, n in (("out", out, 4), ("lse", logsumexp, 3), ("grad_out", grad_out, 4),
                        ("grad_lse", grad_logsumexp, 3), ("grad_q", grad_query, 4), ("grad_k", grad_key, 4),
                        ("grad_v", grad_value, 4)):
