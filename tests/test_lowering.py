@@ -61,6 +61,29 @@ def test_graph_contains_the_template_kernel():
     assert "bmm(" not in code and "flexattn_attention" not in code.split("def call", 1)[-1].split("\n")[0]
 
 
+@pytest.mark.parametrize("use_lse", [False, True])
+def test_an_unused_lse_adds_nothing_to_the_backward(use_lse):
+    # Autograd hands the backward a zero lse gradient when the lse is unused: the delta
+    # reduction then reads dO and O only, into a buffer of its own (no zero fill updated
+    # in place).
+    q, k, v = (t.requires_grad_() for t in harness.make_inputs(0, B=1, Hq=2, Hkv=2, L=64, S=64, E=32,
+                                                                dtype=torch.float16))
+    grad_out, grad_lse = harness.make_output_grads(harness.generator(1), q, v, with_lse=True)
+    block_mask = create_block_mask(mods.causal_mask, None, None, 64, 64, device=DEVICE)
+
+    def fn(q, k, v, grad_out, grad_lse):
+        out, lse = flexattn.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+        torch.autograd.backward([out, lse] if use_lse else [out], [grad_out, grad_lse] if use_lse else [grad_out])
+        return q.grad
+
+    _, code = run_and_get_code(torch.compile(fn, backend="inductor"), q, k, v, grad_out, grad_lse)
+    backward = next(c for c in code if "flexattn_attention_backward" in c)
+    delta = backward.split("def triton_per_", 1)[1].split("\'\'\'", 1)[0]
+    signature = delta.split(")", 1)[0]
+    assert signature.count("in_ptr") == (3 if use_lse else 2), delta
+    assert use_lse or "in_out_ptr" not in signature, delta
+
+
 def test_specialisations_from_the_host():
     code = compile_and_code(L=100, S=128, E=80, Ev=48, Hq=4, Hkv=2, mask_mod=mods.causal_mask,
                             options={"BLOCK_M": 32, "BLOCK_N": 32})

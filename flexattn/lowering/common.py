@@ -289,6 +289,31 @@ def captured_inputs(call: PreparedCall) -> list:
     return [b for b in (*call.score_mod_buffers, *call.mask_mod_buffers) if isinstance(b, ir.IRNode)]
 
 
+class _ConstantProbe:
+    """Ops handler that evaluates a loader made of one constant (anything else raises)."""
+
+    def constant(self, value, dtype):
+        return ("constant", value)
+
+    def __getattr__(self, name):
+        raise LookupError(name)
+
+
+def nonzero_or_none(node):
+    """``node``, or None when it is a not yet realized fill of zeros: the lse gradient
+    autograd materialises when the lse is not used, which the backward then neither
+    reads nor subtracts."""
+    data = getattr(getattr(node, "data", None), "data", None)
+    if not isinstance(data, ir.Pointwise):
+        return node
+    try:
+        with V.set_ops_handler(_ConstantProbe()):
+            value = data.inner_fn([0] * len(data.ranges))
+    except Exception:  # noqa: BLE001 - any other op: not a constant fill
+        return node
+    return None if isinstance(value, tuple) and value[0] == "constant" and value[1] == 0 else node
+
+
 def compute_delta(out, grad_out, grad_logsumexp):
     """rowsum(dO * O) in float32 (float64 for float64 calls), minus the lse gradient when
     there is one (one fused reduction; see the module docstring for why the lse gradient
@@ -296,6 +321,7 @@ def compute_delta(out, grad_out, grad_logsumexp):
     work = stats_dtype(out.get_dtype())
     prod = lowerings[torch.ops.aten.mul.Tensor](to_dtype(out, work), to_dtype(grad_out, work))
     delta = lowerings[torch.ops.aten.sum.dim_IntList](prod, [-1])
+    grad_logsumexp = None if grad_logsumexp is None else nonzero_or_none(grad_logsumexp)
     if grad_logsumexp is not None:
         delta = lowerings[torch.ops.aten.sub.Tensor](delta, to_dtype(grad_logsumexp, work))
     return realize_fixed(delta)

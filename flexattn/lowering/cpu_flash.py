@@ -51,30 +51,6 @@ def _whole_buffer(name: str):
     return ir.TensorBox.create(V.graph.get_buffer(name))
 
 
-class _ConstantProbe:
-    """Ops handler that evaluates a loader made of one constant (anything else raises)."""
-
-    def constant(self, value, dtype):
-        return ("constant", value)
-
-    def __getattr__(self, name):
-        raise LookupError(name)
-
-
-def _zeros(node) -> bool:
-    """Whether ``node`` is a not yet realized fill of zeros (the lse gradient AOT autograd
-    makes when the lse is not used): passed as None, the graph needs no kernel for it."""
-    data = getattr(getattr(node, "data", None), "data", None)
-    if not isinstance(data, ir.Pointwise):
-        return False
-    try:
-        with V.set_ops_handler(_ConstantProbe()):
-            value = data.inner_fn([0] * len(data.ranges))
-    except Exception:  # noqa: BLE001 - any other op: not a constant fill
-        return False
-    return isinstance(value, tuple) and value[0] == "constant" and value[1] == 0
-
-
 def _same_dtype_kv(query, key, value):
     """float8 keys and values (a quantised cache) widened to the query's dtype."""
     dtype = query.get_dtype()
@@ -178,7 +154,7 @@ def lower_cpu_backward(query, key, value, out, logsumexp, grad_out, grad_logsume
     grad_query, grad_key, grad_value, grads = fallback_handler(
         torch.ops.flexattn.cpu_flash_backward.default, add_to_fallback_set=False)(
         call.query, call.key, call.value, out, logsumexp, grad_out,
-        None if grad_logsumexp is None or _zeros(grad_logsumexp) else grad_logsumexp, call.tables.kv_num_blocks, call.tables.kv_indices, full_num, full_idx, seed,
+        common.nonzero_or_none(grad_logsumexp), call.tables.kv_num_blocks, call.tables.kv_indices, full_num, full_idx, seed,
         [_whole_buffer(n) for n in library.buffers], list(library.symbols),
         [s for shape in grad_shapes for s in shape], library.source() if library.exports else "", plan)
 
