@@ -508,8 +508,10 @@ def time_in_turn(records: dict[str, dict[str, Any]], timers: dict[str, Callable[
     """Rounds 2..``rounds`` of the timed cells of one (case, mode), in turn, each round
     starting one impl later; each record's ``ms`` becomes the median of its rounds."""
     names = list(timers)
+    if not names:
+        return
     for round_index in range(1, rounds):
-        shift = round_index % len(names) if names else 0
+        shift = round_index % len(names)
         for impl in names[shift:] + names[:shift]:
             records[impl]["ms_rounds"].append(timers[impl]())
     for impl in names:

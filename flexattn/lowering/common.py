@@ -300,9 +300,9 @@ class _ConstantProbe:
 
 
 def nonzero_or_none(node):
-    """``node``, or None when it is a not yet realized fill of zeros: the lse gradient
-    autograd materialises when the lse is not used, which the backward then neither
-    reads nor subtracts."""
+    """``node`` (None stays None), or None when it is a not yet realized fill of zeros:
+    the lse gradient autograd materialises when the lse is not used, which the backward
+    then neither reads nor subtracts."""
     data = getattr(getattr(node, "data", None), "data", None)
     if not isinstance(data, ir.Pointwise):
         return node
@@ -321,7 +321,7 @@ def compute_delta(out, grad_out, grad_logsumexp):
     work = stats_dtype(out.get_dtype())
     prod = lowerings[torch.ops.aten.mul.Tensor](to_dtype(out, work), to_dtype(grad_out, work))
     delta = lowerings[torch.ops.aten.sum.dim_IntList](prod, [-1])
-    grad_logsumexp = None if grad_logsumexp is None else nonzero_or_none(grad_logsumexp)
+    grad_logsumexp = nonzero_or_none(grad_logsumexp)
     if grad_logsumexp is not None:
         delta = lowerings[torch.ops.aten.sub.Tensor](delta, to_dtype(grad_logsumexp, work))
     return realize_fixed(delta)
