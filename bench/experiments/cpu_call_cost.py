@@ -1,7 +1,7 @@
 """What does one small compiled call cost on the CPU, where the host's work is most of it?
 flexattn's and torch's compiled flex_attention (Inductor's C++ backend), float32, at
 shapes whose arithmetic is a few microseconds: a 16-token causal call, decode steps (one
-query row against S keys), a 128-token causal forward and a 64-token forward+backward
+query row against S keys), four query rows (speculative decoding's check), a 128-token causal forward and a 64-token forward+backward
 (flexattn alone: torch's flex has no CPU backward). Median microseconds per call over
 ``--rounds`` rounds taken in turn, each round ``--calls`` back-to-back calls.
 
@@ -24,6 +24,7 @@ CASES = {
     "causal S=16 D=16": (1, 1, 16, 16, 16, False),
     "decode S=512 H=8 D=64": (1, 8, 1, 512, 64, False),
     "decode S=4096 H=8 D=64": (1, 8, 1, 4096, 64, False),
+    "4 queries S=4096 H=8 D=64": (1, 8, 4, 4096, 64, False),
     "causal S=128 H=4 D=64": (1, 4, 128, 128, 64, False),
     "causal S=64 H=2 D=32 fwd+bwd": (1, 2, 64, 64, 32, True),
 }
