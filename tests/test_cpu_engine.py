@@ -95,13 +95,14 @@ def test_long_sequences_forward_and_backward(block, L, S, E, Ev, Hkv):
 
 
 @pytest.mark.parametrize("L", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_few_query_rows(L, dtype):
     """Tiles of at most four rows (decode steps, speculative tokens) multiply in the
-    engine's own loops, not BLAS (bench/DECISIONS.md#cpu-few-row-products): row counts on
-    both sides of the limit, head dims that are not a multiple of the vector width, KV
-    spans that end inside a group of keys, forward and backward."""
-    S, E, Ev = 333, 20, 12
+    engine's own loops, not BLAS, and 16-bit rows convert a vector at a time
+    (bench/DECISIONS.md#cpu-few-row-products): row counts on both sides of the limit,
+    head dims that are not a multiple of any vector width, KV spans that end inside a
+    group of keys, forward and backward."""
+    S, E, Ev = 333, 40, 36
     gen = harness.generator(7)
     q, k, v = harness.make_inputs(gen, B=2, Hq=4, Hkv=2, L=L, S=S, E=E, Ev=Ev, dtype=dtype, requires_grad=True)
     bias = harness.randn(gen, 4, S, requires_grad=True)

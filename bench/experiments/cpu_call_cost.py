@@ -1,11 +1,13 @@
 """What does one small compiled call cost on the CPU, where the host's work is most of it?
-flexattn's and torch's compiled flex_attention (Inductor's C++ backend), float32, at
-shapes whose arithmetic is a few microseconds: a 16-token causal call, decode steps (one
-query row against S keys), four query rows (speculative decoding's check), a 128-token causal forward and a 64-token forward+backward
-(flexattn alone: torch's flex has no CPU backward). Median microseconds per call over
-``--rounds`` rounds taken in turn, each round ``--calls`` back-to-back calls.
+flexattn's and torch's compiled flex_attention (Inductor's C++ backend), float32 unless
+``--dtype`` says otherwise, at shapes whose arithmetic is a few microseconds: a 16-token
+causal call, decode steps (one query row against S keys), four query rows (speculative
+decoding's check), a 128-token causal forward and a 64-token forward+backward (flexattn
+alone: torch's flex has no CPU backward). Median microseconds per call over ``--rounds``
+rounds taken in turn, each round ``--calls`` back-to-back calls.
 
     PYTHONPATH=. python bench/experiments/cpu_call_cost.py
+    PYTHONPATH=. python bench/experiments/cpu_call_cost.py --dtype bfloat16 --cases "decode S=4096 H=8 D=64"
 """
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ CASES = {
 }
 
 
-def build(lib, B, H, L, S, D, backward):
-    q = torch.randn(B, H, L, D, requires_grad=backward)
-    k, v = (torch.randn(B, H, S, D, requires_grad=backward) for _ in range(2))
+def build(lib, B, H, L, S, D, backward, dtype=torch.float32):
+    q = torch.randn(B, H, L, D, dtype=dtype, requires_grad=backward)
+    k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=backward) for _ in range(2))
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + (S - L)
@@ -53,18 +55,20 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch._dynamo.config.cache_size_limit = 64
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us per call, median of {args.rounds} "
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; us per call, median of {args.rounds} "
           f"rounds of {args.calls} calls taken in turn")
     print("| case | flexattn us | torch us | flexattn / torch |")
     print("| --- | --- | --- | --- |")
     for name in args.cases.split(","):
         B, H, L, S, D, backward = CASES[name]
-        calls = {"flexattn": build(flexattn, B, H, L, S, D, backward)}
+        calls = {"flexattn": build(flexattn, B, H, L, S, D, backward, dtype)}
         if not backward:
-            calls["torch"] = build(tflex, B, H, L, S, D, backward)
+            calls["torch"] = build(tflex, B, H, L, S, D, backward, dtype)
         times = {lib: [] for lib in calls}
         for call in calls.values():
             for _ in range(20):
