@@ -84,6 +84,40 @@ def test_an_unused_lse_adds_nothing_to_the_backward(use_lse):
     assert use_lse or "in_out_ptr" not in signature, delta
 
 
+def test_unread_arguments_are_constants_of_the_graph(tmp_path, monkeypatch):
+    # The kernel arguments a call leaves unread (no sinks, no dropout seed, no reduced
+    # buffer gradients) are constants loaded with the compiled graph: its calls allocate
+    # nothing for them, and a graph served from Inductor's cache brings them along.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    block_mask = create_block_mask(mods.causal_mask, None, None, 64, 64, device=DEVICE)
+    inputs = harness.make_inputs(0, B=1, Hq=2, Hkv=2, L=64, S=64, E=32, dtype=torch.float16)
+    grad_out = harness.make_output_grads(harness.generator(1), *inputs[::2], with_lse=False)[0]
+
+    def run():
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        compiled = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=block_mask))
+
+        def step():
+            out = compiled(q, k, v)
+            out.backward(grad_out)
+            return out.detach()
+
+        out, code = run_and_get_code(step)
+        return out, [q.grad, k.grad, v.grad], code
+
+    torch._dynamo.utils.counters.clear()
+    with torch._inductor.config.patch(force_disable_caches=False, fx_graph_cache=True):
+        out, grads, code = run()
+        torch._dynamo.reset()
+        cached_out, cached_grads, _ = run()
+    assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] >= 2
+    calls = [c.split("def call(", 1)[1] for c in code if "def call(" in c]
+    assert len(calls) >= 2 and all("flexattn_unused" in c for c in calls), calls
+    assert not any("((0, ), (1, ), torch.int32)" in c for c in calls), calls
+    for got, expected in zip([cached_out, *cached_grads], [out, *grads]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_specialisations_from_the_host():
     code = compile_and_code(L=100, S=128, E=80, Ev=48, Hq=4, Hkv=2, mask_mod=mods.causal_mask,
                             options={"BLOCK_M": 32, "BLOCK_N": 32})

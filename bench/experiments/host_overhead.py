@@ -35,6 +35,7 @@ def document(S):
 CASES = {
     "causal_s1024_d64": (1024, 64, None, mods.causal_mask),
     "causal_s1024_d128": (1024, 128, None, mods.causal_mask),
+    "document_s1024_d64": (1024, 64, None, "document"),
     "document_s1024_d128": (1024, 128, None, "document"),
     "alibi_causal_s2048_d64": (2048, 64, "alibi", mods.causal_mask),
     "causal_s2048_d128": (2048, 128, None, mods.causal_mask),
@@ -133,12 +134,33 @@ def profile(call, grads, n=10):
     return ks, gpu, cpu
 
 
+def cprofile(call, grads, n, top):
+    """The host's busiest Python functions over n calls, by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        for t in grads:
+            t.grad = None
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--modes", default="fwd,fwdbwd")
     parser.add_argument("--code", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print each library's top functions by own time over N calls")
     parser.add_argument("--variants", default='{"flexattn": null}',
                         help="JSON {name: kernel_options or null} of flexattn calls to compare")
     args = parser.parse_args()
@@ -166,6 +188,9 @@ def main():
                     stats[lib]["bench"].append(1e3 * do_bench(call, warmup=25, rep=100, grad_to_none=grads,
                                                               return_mode="median"))
             for lib, (call, grads) in calls.items():
+                if args.cprofile:
+                    print(f"== {name} {mode} {lib}: cProfile of {args.cprofile} calls")
+                    print(cprofile(call, grads, args.cprofile, 30), flush=True)
                 ks, gpu, cpu = profile(call, grads)
                 med = {key: statistics.median(v) for key, v in stats[lib].items()}
                 rows.append((name, mode, lib, med["host"], gpu, med["b2b"], med["bench"], len(ks),

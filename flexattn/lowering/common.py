@@ -153,8 +153,13 @@ def dense_buffer(sizes, device, dtype):
 
 
 def signature_filler(device):
-    """A 0-element table for a kernel argument the kernel never reads."""
-    return realize_fixed(empty_strided([0], [1], dtype=torch.int32, device=device))
+    """A stand-in for a kernel argument the kernel never reads: a one-element constant of
+    the compiled graph, made when its module loads, so a call allocates nothing for it.
+    One element gives each its own storage (Inductor merges constants that share one, and
+    a template's parameters cannot share a buffer)."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        data = torch.zeros(1, dtype=torch.int32, device=device)
+    return V.graph.add_tensor_constant(data, "flexattn_unused")
 
 
 def sinks_for_kernel(sinks, query):
