@@ -70,16 +70,21 @@ def build(name, library, mode, kernel_options=None):
     return call, [q, k, v] if mode == "fwdbwd" else []
 
 
+def issue(call, grads, n, *args):
+    """n calls back to back, each with the inputs' gradients cleared first."""
+    for _ in range(n):
+        for t in grads:
+            t.grad = None
+        call(*args)
+
+
 def host_us(call, grads, n=50):
     """Host time to issue one call, queue not full, GPU behind."""
     times = []
     for _ in range(5):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(n):
-            for t in grads:
-                t.grad = None
-            call()
+        issue(call, grads, n)
         times.append((time.perf_counter() - start) / n * 1e6)
         torch.cuda.synchronize()
     return statistics.median(times)
@@ -90,10 +95,7 @@ def split_host_us(call, grads, n=50):
     split = []
     for _ in range(5):
         torch.cuda.synchronize()
-        for _ in range(n):
-            for t in grads:
-                t.grad = None
-            call(split)
+        issue(call, grads, n, split)
         torch.cuda.synchronize()
     return tuple(statistics.median(part[i] for part in split) * 1e6 for i in range(2))
 
@@ -104,10 +106,7 @@ def back_to_back_us(call, grads, n=50):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
-        for _ in range(n):
-            for t in grads:
-                t.grad = None
-            call()
+        issue(call, grads, n)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / n * 1e3)
@@ -119,10 +118,7 @@ def profile(call, grads, n=10):
     from torch.profiler import ProfilerActivity, profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            for t in grads:
-                t.grad = None
-            call()
+        issue(call, grads, n)
         torch.cuda.synchronize()
     kernels = collections.defaultdict(list)
     for e in p.events():
@@ -142,10 +138,7 @@ def cprofile(call, grads, n, top):
 
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(n):
-        for t in grads:
-            t.grad = None
-        call()
+    issue(call, grads, n)
     prof.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
