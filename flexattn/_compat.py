@@ -301,6 +301,7 @@ __all__ = [
     "load_cpp_library",
     "selective_checkpoint_modes",
     "compiled_graph_count",
+    "compile_gluon_kernels_as_gluon",
     "make_fx",
     "pytree",
     "reenable_autograd",
@@ -370,6 +371,32 @@ def use_interpreter_libdevice() -> None:
 
     if not isinstance(triton_helpers.libdevice, _InterpreterLibdevice):
         triton_helpers.libdevice = _InterpreterLibdevice(triton_helpers.libdevice)
+
+
+def compile_gluon_kernels_as_gluon() -> None:
+    """Let Inductor's autotuner compile ``@gluon.jit`` kernels (flexattn's Gluon templates).
+
+    Inductor hands every kernel to Triton as an ``ASTSource`` (Triton-language source);
+    a Gluon function must go as ``GluonASTSource``, which builds layout-annotated IR
+    instead. Installs once per process a stand-in that builds the Gluon source for Gluon
+    functions and the usual source for everything else; the generated module of each
+    Gluon template calls this, so compile workers get it too.
+    """
+    from torch._inductor.runtime import triton_heuristics
+
+    base = triton_heuristics.ASTSource
+    if base is None or getattr(base, "FLEXATTN_GLUON_AWARE", False):
+        return
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    class GluonAwareSource(base):
+        FLEXATTN_GLUON_AWARE = True
+
+        def __new__(cls, fn, *args, **kwargs):
+            is_gluon = getattr(fn, "is_gluon", None)
+            return (GluonASTSource if is_gluon is not None and is_gluon() else base)(fn, *args, **kwargs)
+
+    triton_heuristics.ASTSource = GluonAwareSource
 
 
 # --------------------------------------------------------------------------------------

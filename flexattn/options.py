@@ -132,9 +132,10 @@ OPTIONS: tuple[KernelOption, ...] = (
                  default_doc="backward on, forward off "
                              "([decisions](../bench/DECISIONS.md#forward-reversed-q-tiles-default))"),
     KernelOption("BACKEND", "str", "AUTO", ("forward", "decode"),
-                 "which kernel: AUTO (flexattn's choice), TRITON (the main kernel), TRITON_DECODE (the split-KV "
-                 "decode kernel); torch's FLASH backend does not exist here (an error)", "torch",
-                 choices=("AUTO", "TRITON", "TRITON_DECODE", "FLASH")),
+                 "which kernel: AUTO (flexattn's choice), TRITON (the Triton template), GLUON (the "
+                 "warp-specialised Hopper forward; an error where it does not cover the call), TRITON_DECODE "
+                 "(the split-KV decode kernel); torch's FLASH backend does not exist here (an error)", "torch",
+                 choices=("AUTO", "TRITON", "GLUON", "TRITON_DECODE", "FLASH")),
     KernelOption("FORCE_DECODE", "tristate", PER_CALL, _DEC,
                  "True / False: always / never use the split-KV decode kernel",
                  default_doc="decode kernel when the query has at most 64 rows and the keys at least 256"),
@@ -215,7 +216,8 @@ def _check_backend(kernel_options: dict[str, Any]) -> None:
                            "(BACKEND supersedes it); pass only BACKEND")
     if backend == "FLASH":
         raise ValueError("flexattn: kernel_options BACKEND='FLASH' selects torch's FlashAttention (CuTe) kernels, "
-                         "which flexattn does not have; use 'AUTO', 'TRITON' or 'TRITON_DECODE'")
+                         "which flexattn does not have; use 'AUTO', 'TRITON', 'GLUON' (flexattn's warp-specialised "
+                         "Hopper forward) or 'TRITON_DECODE'")
     forced = kernel_options.get("FORCE_DECODE")
     if forced is not None and backend != "AUTO" and bool(forced) != (backend == "TRITON_DECODE"):
         raise ValueError(f"flexattn: kernel_options BACKEND={backend!r} and FORCE_DECODE={forced!r} contradict "

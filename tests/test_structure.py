@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "flexattn"
 KERNEL_LOWERINGS = {"flexattn.lowering.forward", "flexattn.lowering.backward", "flexattn.lowering.decode",
-                    "flexattn.lowering.cpu_flash"}
+                    "flexattn.lowering.gluon_forward", "flexattn.lowering.cpu_flash"}
 #: Modules allowed past MAX_LINES: block_mask.py is one concern (the BlockMask type, its
 #: construction and its views), and splitting the class across files would not be clearer.
 LONG_MODULES = {"flexattn.block_mask"}

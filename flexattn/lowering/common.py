@@ -356,7 +356,7 @@ def warn_inert_options(kernel_options: dict[str, Any]) -> None:
                       "option has no effect", stacklevel=2)
 
 
-def _tma_obstacle(node, name: str) -> str | None:
+def tma_obstacle(node, name: str) -> str | None:
     """Why ``node`` cannot be read through a tensor descriptor (None if it can)."""
     sizevars = V.graph.sizevars
     elem = node.get_dtype().itemsize
@@ -400,7 +400,7 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_d
                           f"from the query's; the {kernel} kernel loads through pointers", stacklevel=2)
         return False
     for node, name in ((query, "query"), (key, "key"), (value, "value"), *extra_operands):
-        obstacle = _tma_obstacle(node, name)
+        obstacle = tma_obstacle(node, name)
         if obstacle is not None:
             if requested:
                 warnings.warn(f"flexattn: kernel_options USE_TMA=True: {obstacle}; the {kernel} kernel loads "

@@ -96,7 +96,7 @@ def wants_decode_kernel(q_len: int, kv_len: int, kernel_options: Mapping[str, An
             "flexattn: kernel_options FORCE_DECODE=True and FORCE_USE_FLEX_ATTENTION=True "
             "contradict each other; pass one of them")
     backend = _options.read(kernel_options, "BACKEND")
-    if main_forced or backend == "TRITON":
+    if main_forced or backend in ("TRITON", "GLUON"):
         return False
     if forced is not None:
         return bool(forced)

@@ -3,8 +3,9 @@
 A call whose tensors live on a CUDA (or XPU) device, or on the CPU when Inductor's CPU
 backend is Triton (the interpreter), goes to a Triton template: the split-KV decode
 kernel for short queries against long keys (``decode_plan.wants_decode_kernel``), else
-the forward kernel; its backward to the backward kernel. Other CPU calls go to the C++
-CPU engine (``cpu_flash.py``).
+the forward kernel that ``forward_plan.plan_forward`` picks (the Gluon kernel on Hopper
+where it covers the call, the Triton template otherwise); its backward to the backward
+kernel. Other CPU calls go to the C++ CPU engine (``cpu_flash.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .decode import lower_decode
 from .decode_plan import wants_decode_kernel
 from .cpu_flash import lower_cpu_backward, lower_cpu_forward
 from .forward import lower_forward
+from .forward_plan import forward_inputs, plan_forward
+from .gluon_forward import lower_gluon_forward
 from .subgraph import inline_scalar_items
 
 log = logging.getLogger("flexattn.lowering")
@@ -48,6 +51,13 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
         if dropout_seed is None and wants_decode_kernel(hint(query.get_size()[2]), hint(key.get_size()[2]),
                                                         kernel_options or {}):
             return lower_decode(*args)
+        inputs, (query, key, value) = forward_inputs(query, key, value, block_mask, kernel_options or {},
+                                                     dropout_seed)
+        plan = plan_forward(inputs)
+        log.info("flexattn: forward kernel %s (%s)", "Gluon" if plan.kernel == "gluon" else "Triton", plan.reason)
+        args = (query, key, value, *args[3:])
+        if plan.kernel == "gluon":
+            return lower_gluon_forward(*args)
         return lower_forward(*args, dropout_seed)
     if device.type == "cpu":
         started = time.perf_counter()

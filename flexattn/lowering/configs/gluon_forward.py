@@ -1,0 +1,66 @@
+"""Tile configurations of the Gluon forward kernel (``templates/gluon_forward.py.jinja``).
+
+A ``GluonForwardConfig`` is one launch shape of the warp-specialised kernel: the query
+tile (two consumer warpgroups of BLOCK_M / 2 rows), the KV step, the depth of the K/V
+ring, and the register budgets of the producer and consumer partitions. The table is
+keyed by the QK head dim (the kernel takes 64, 128 and 256); the measurements behind
+each entry: bench/DECISIONS.md#gluon-forward-tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import TileConfig
+
+
+@dataclass(frozen=True)
+class GluonForwardConfig(TileConfig):
+    """One launch configuration of the Gluon forward template."""
+
+    block_m: int
+    block_n: int
+    num_stages: int
+    #: Registers per thread of the one-warp TMA producer and of each consumer warpgroup:
+    #: 24 + 2 x 240 (x 128 threads) fill the register file with one program per SM.
+    load_regs: int = 24
+    mma_regs: int = 240
+    #: The default partition: one consumer warpgroup (the other is a worker partition).
+    num_warps: int = 4
+
+    OPTION_NAMES: ClassVar[dict[str, str]] = {"block_m": "BLOCK_M", "block_n": "BLOCK_N",
+                                              "num_stages": "num_stages"}
+    OPTION_PREFIX: ClassVar[str] = "fwd_"
+
+    def constexprs(self) -> dict[str, int]:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_STAGES": self.num_stages,
+                "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs}
+
+
+#: By QK head dim (sm90, 16-bit inputs).
+SM90: dict[int, GluonForwardConfig] = {
+    64: GluonForwardConfig(128, 128, 2),
+    128: GluonForwardConfig(128, 128, 2),
+    256: GluonForwardConfig(128, 64, 2),
+}
+
+#: Head dims where flex_attention takes this kernel unless told otherwise: at D=64 the
+#: Triton template measured faster (bench/DECISIONS.md#gluon-forward-head-dims).
+DEFAULT_HEAD_DIMS = (128, 256)
+
+#: Shared memory one program may use on sm90 (227 KiB).
+SMEM_LIMIT = 232448
+
+
+def shared_memory_estimate(cfg: GluonForwardConfig, qk_head_dim: int, v_head_dim: int, elem_bytes: int) -> int:
+    """The Q tile and the K/V ring, in bytes (the mbarriers add a few dozen)."""
+    return elem_bytes * (cfg.block_m * qk_head_dim + cfg.num_stages * cfg.block_n * (qk_head_dim + v_head_dim))
+
+
+def config_for(qk_head_dim: int, v_head_dim: int, elem_bytes: int) -> GluonForwardConfig | None:
+    """The call's configuration, or None where none fits shared memory."""
+    cfg = SM90.get(qk_head_dim)
+    if cfg is None or shared_memory_estimate(cfg, qk_head_dim, v_head_dim, elem_bytes) > SMEM_LIMIT:
+        return None
+    return cfg

@@ -1,0 +1,150 @@
+"""Which forward kernel a call takes: the Gluon kernel for Hopper or the Triton template.
+
+``plan_forward`` is a pure function of ``ForwardInputs`` (sizes, dtypes, the GPU, the
+options): the Gluon kernel (``templates/gluon_forward.py.jinja``) where it covers the
+call, the Triton template (``templates/forward.py.jinja``) otherwise, with the reason.
+kernel_options BACKEND="TRITON" forces the template; BACKEND="GLUON" forces the Gluon
+kernel and raises, naming the obstacle, where it does not cover the call. ``forward_inputs``
+reads the inputs off a call's IR nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import options as _options
+from . import common
+from .configs import gluon_forward as gluon_configs
+
+#: Gluon's Hopper API, as the Gluon kernel uses it (Triton 3.6 and later).
+_GLUON_HOPPER_MODULE = "triton.experimental.gluon.language.nvidia.hopper"
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What the forward kernel choice depends on."""
+
+    device_type: str
+    #: (major, minor) of a CUDA device, else None.
+    capability: tuple[int, int] | None
+    interpreter: bool
+    gluon_available: bool
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    qk_head_dim: int
+    v_head_dim: int
+    sparse_q: int
+    sparse_kv: int
+    has_dropout: bool
+    prescale_qk: bool
+    #: Why Q, K or V cannot be read through tensor descriptors (None: they can).
+    tma_obstacle: str | None
+    #: kernel_options keys that pin a tile of the Triton template.
+    pinned_tiles: tuple[str, ...]
+    backend: str
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    kernel: str  # "gluon" or "triton"
+    reason: str
+
+
+def _gluon_obstacle(inputs: ForwardInputs) -> str | None:
+    """Why the Gluon kernel cannot run the call (None: it can)."""
+    if inputs.device_type != "cuda" or inputs.interpreter:
+        return f"device {inputs.device_type}{' (interpreter)' if inputs.interpreter else ''} is not a Hopper GPU"
+    if inputs.capability != (9, 0):
+        return f"compute capability {inputs.capability} is not sm90"
+    if not inputs.gluon_available:
+        return "this Triton has no Gluon Hopper API"
+    if inputs.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {inputs.dtype} (the Gluon kernel takes float16 and bfloat16)"
+    if inputs.kv_dtype != inputs.dtype:
+        return f"key/value dtype {inputs.kv_dtype} differs from the query's {inputs.dtype}"
+    if inputs.qk_head_dim not in gluon_configs.SM90 or inputs.v_head_dim not in gluon_configs.SM90:
+        return (f"head dims {inputs.qk_head_dim}/{inputs.v_head_dim} (the Gluon kernel takes "
+                f"{sorted(gluon_configs.SM90)})")
+    cfg = gluon_configs.config_for(inputs.qk_head_dim, inputs.v_head_dim, inputs.dtype.itemsize)
+    if cfg is None:
+        return f"head dims {inputs.qk_head_dim}/{inputs.v_head_dim} do not fit shared memory"
+    if inputs.sparse_q % cfg.block_m or inputs.sparse_kv % cfg.block_n:
+        return (f"BlockMask block size ({inputs.sparse_q}, {inputs.sparse_kv}) is not a multiple of the "
+                f"Gluon tile ({cfg.block_m}, {cfg.block_n})")
+    if inputs.has_dropout:
+        return "dropout (the Triton template draws the keep mask)"
+    if inputs.prescale_qk:
+        return "PRESCALE_QK (the Gluon kernel reads Q from shared memory unscaled)"
+    if inputs.tma_obstacle is not None:
+        return inputs.tma_obstacle
+    if inputs.pinned_tiles:
+        return f"kernel_options pin Triton tiles ({', '.join(inputs.pinned_tiles)})"
+    return None
+
+
+def plan_forward(inputs: ForwardInputs) -> ForwardPlan:
+    """The forward kernel of a call and why."""
+    if inputs.backend == "TRITON":
+        return ForwardPlan("triton", "kernel_options BACKEND='TRITON'")
+    obstacle = _gluon_obstacle(inputs)
+    if inputs.backend == "GLUON":
+        if obstacle is not None:
+            raise ValueError(f"flexattn: kernel_options BACKEND='GLUON' cannot run this call: {obstacle}")
+        return ForwardPlan("gluon", "kernel_options BACKEND='GLUON'")
+    if obstacle is not None:
+        return ForwardPlan("triton", obstacle)
+    if inputs.qk_head_dim not in gluon_configs.DEFAULT_HEAD_DIMS:
+        return ForwardPlan("triton", f"head dim {inputs.qk_head_dim}: the Triton template measured faster")
+    return ForwardPlan("gluon", "sm90, 16-bit, TMA-ready layouts")
+
+
+def gluon_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(_GLUON_HOPPER_MODULE) is not None
+    except ImportError:
+        return False
+
+
+def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any], dropout_seed):
+    """A call's ``ForwardInputs`` from its IR nodes, and the nodes. Where nothing else
+    rules the Gluon kernel out, q, k and v are realized (their final strides decide
+    whether tensor descriptors can read them) and returned realized."""
+    import dataclasses
+
+    from .._compat import triton_interpreter_requested
+    from .._mask_tuple import BlockMaskView
+    from .configs.forward import ForwardConfig
+
+    sizevars = common.V.graph.sizevars
+    device = query.get_device()
+    bm = BlockMaskView(*block_mask)
+    pinned = tuple(k for k in ForwardConfig.option_spellings() if kernel_options.get(k) is not None)
+    inputs = ForwardInputs(
+        device_type=device.type,
+        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        interpreter=triton_interpreter_requested(),
+        gluon_available=gluon_available(),
+        dtype=query.get_dtype(),
+        kv_dtype=key.get_dtype(),
+        qk_head_dim=sizevars.guard_int(query.get_size()[-1]),
+        v_head_dim=sizevars.guard_int(value.get_size()[-1]),
+        sparse_q=sizevars.guard_int(bm.q_block_size),
+        sparse_kv=sizevars.guard_int(bm.kv_block_size),
+        has_dropout=dropout_seed is not None,
+        prescale_qk=bool(_options.read(kernel_options, "PRESCALE_QK")),
+        tma_obstacle=None,
+        pinned_tiles=pinned,
+        backend=_options.read(kernel_options, "BACKEND"),
+    )
+    if inputs.backend == "TRITON" or _gluon_obstacle(inputs) is not None:
+        return inputs, (query, key, value)
+    nodes = tuple(common.realize_fixed(node) for node in (query, key, value))
+    obstacle = None
+    for node, name in zip(nodes, ("query", "key", "value")):
+        obstacle = obstacle or common.tma_obstacle(node, name)
+    return dataclasses.replace(inputs, tma_obstacle=obstacle), nodes

@@ -1,0 +1,88 @@
+"""Lowering of a forward call onto ``templates/gluon_forward.py.jinja`` (Hopper, Gluon).
+
+Taken where ``forward_plan.plan_forward`` says so. ``lower_gluon_forward`` prepares the
+call as the Triton forward does (``common.prepare_call``), derives the same constexprs
+on the host plus the Gluon tile (``configs/gluon_forward.py``), and hands one choice to
+Inductor; the kernel writes the output and, in place, the log-sum-exp and row maxima.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch._inductor import ir
+from torch._inductor.select_algorithm import SymbolicGridFn
+
+from .. import _compat
+from ..reference import stats_dtype
+from ..templates import kernel_source
+from . import common
+from .configs import gluon_forward as gluon_configs
+from .gluon_template import GluonTemplate
+
+TEMPLATE_NAME = "flexattn_gluon_forward"
+
+
+@SymbolicGridFn
+def gluon_forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv):
+    """(query tiles of BLOCK_M rows, batch, query heads): one program per tile of one head."""
+    return (cdiv(q_len, meta["BLOCK_M"]), batch, q_heads)
+
+
+gluon_forward_template = GluonTemplate(
+    name=TEMPLATE_NAME,
+    grid=gluon_forward_grid,
+    source=kernel_source("gluon_forward"),
+)
+
+
+def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_options,
+                        score_mod_buffers, mask_mod_buffers, sinks=None):
+    """out, lse, max_scores of a forward call, from the Gluon forward template."""
+    started = time.perf_counter()
+    _compat.compile_gluon_kernels_as_gluon()  # for the autotuner's compiles in this process
+    kernel_options = dict(kernel_options or {})
+    device = query.get_device()
+    B, Hq, L, _ = query.get_size()
+    call = common.prepare_call(query, key, value, score_mod, block_mask, kernel_options, score_mod_buffers,
+                               mask_mod_buffers)
+    query, key, value = call.query, call.key, call.value
+
+    spec = common.kernel_specialisations(
+        query=query, key=key, value=value, scale=scale, kernel_options=kernel_options,
+        sparse_q=call.sparse_q, sparse_kv=call.sparse_kv, has_full_blocks=call.has_full_blocks,
+        has_score_mod=call.has_score_mod, kernel="forward", reversed_q_tiles_default=False,
+    )
+    spec["HAS_SINKS"] = sinks is not None
+    cfg = gluon_configs.config_for(spec["QK_HEAD_DIM"], spec["V_HEAD_DIM"], query.get_dtype().itemsize)
+    layout = common.output_layout(query, spec["V_HEAD_DIM"])
+    lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
+    row_max = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
+
+    tables = call.tables
+    # The order of gluon_forward.py.jinja's def_kernel (forward.py.jinja's).
+    inputs = {"query": query, "key": key, "value": value, "lse": lse, "row_max": row_max,
+              "kv_num_blocks": tables.kv_num_blocks, "kv_indices": tables.kv_indices,
+              "full_kv_num_blocks": tables.full_kv_num_blocks, "full_kv_indices": tables.full_kv_indices,
+              "sinks": common.sinks_for_kernel(sinks, query),
+              "seed": common.seed_for_kernel(None, device)}
+    input_nodes = list(inputs.values())
+    choices, config_of_choice = common.template_choices(
+        gluon_forward_template, [cfg], "Gluon forward",
+        lambda c: {**spec,
+                   "IS_DIVISIBLE_M": common.divisible(query.get_size()[2], c.block_m),
+                   "IS_DIVISIBLE_N": common.divisible(key.get_size()[2], call.sparse_kv),
+                   **c.constexprs()},
+        input_nodes=input_nodes,
+        layout=layout,
+        subgraphs=[call.score_buffer, call.mask_buffer],
+        mutated_inputs=[lse, row_max],
+        call_sizes=query.get_size(),
+    )
+    out = _compat.autotune_select_node(
+        TEMPLATE_NAME, choices, input_nodes + common.captured_inputs(call), layout,
+        input_gen_fns=common.benchmark_table_inputs(inputs, tables, call.has_full_blocks))
+
+    common.report_choice("forward (Gluon)", out, config_of_choice, [cfg], spec, common.REPORTED_SPECIALISATIONS,
+                         query, key, value, kernel_options, started=started)
+    return out, ir.TensorBox(lse), ir.TensorBox(row_max)

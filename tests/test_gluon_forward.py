@@ -1,0 +1,280 @@
+"""The Gluon forward kernel for Hopper (templates/gluon_forward.py.jinja): which calls take
+it, the source Inductor renders for it, and its numerics beside the Triton template.
+
+On any machine: the kernel choice (``forward_plan.plan_forward``) from literal inputs, the
+rewrite of Inductor's typed constants, and the rendered kernel compiled for sm90 offline
+(Triton's own compiler and ptxas, no GPU: every template error and register spill shows
+here). On an sm90 GPU: the three-way numerics check (tests/_harness.py) of the same calls
+through BACKEND="GLUON" and BACKEND="TRITON".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import re
+
+import pytest
+import torch
+
+import flexattn
+import flexattn.lowering
+from flexattn import mods
+from flexattn._hop import flex_attention_hop
+from flexattn.block_mask import create_block_mask, noop_mask
+from flexattn.lowering import dispatch
+from flexattn.lowering.configs import gluon_forward as gluon_configs
+from flexattn.lowering.forward_plan import ForwardInputs, ForwardPlan, plan_forward
+from flexattn.lowering.gluon_template import gluon_compatible
+
+import _harness as harness
+from conftest import DEVICE
+
+flexattn.lowering.register()
+
+ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+HOPPER_CALL = ForwardInputs(
+    device_type="cuda", capability=(9, 0), interpreter=False, gluon_available=True, dtype=torch.bfloat16,
+    kv_dtype=torch.bfloat16, qk_head_dim=128, v_head_dim=128, sparse_q=128, sparse_kv=128, has_dropout=False,
+    prescale_qk=False, tma_obstacle=None, pinned_tiles=(), backend="AUTO")
+
+
+# --------------------------------------------------------------------------------------
+# The choice
+# --------------------------------------------------------------------------------------
+def test_hopper_calls_take_the_gluon_kernel():
+    assert plan_forward(HOPPER_CALL).kernel == "gluon"
+    assert plan_forward(dataclasses.replace(HOPPER_CALL, qk_head_dim=256, v_head_dim=256)).kernel == "gluon"
+    assert plan_forward(dataclasses.replace(HOPPER_CALL, dtype=torch.float16, kv_dtype=torch.float16)).kernel == "gluon"
+    assert plan_forward(dataclasses.replace(HOPPER_CALL, v_head_dim=64)).kernel == "gluon"
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(device_type="cpu", capability=None), "not a Hopper GPU"),
+    (dict(interpreter=True), "interpreter"),
+    (dict(capability=(8, 0)), "not sm90"),
+    (dict(capability=(10, 0)), "not sm90"),
+    (dict(gluon_available=False), "no Gluon"),
+    (dict(dtype=torch.float32, kv_dtype=torch.float32), "float32"),
+    (dict(kv_dtype=torch.float8_e4m3fn), "differs"),
+    (dict(qk_head_dim=96, v_head_dim=96), "head dims 96/96"),
+    (dict(qk_head_dim=512, v_head_dim=512), "head dims 512/512"),
+    (dict(sparse_q=64), "not a multiple"),
+    (dict(sparse_kv=64), "not a multiple"),
+    (dict(has_dropout=True), "dropout"),
+    (dict(prescale_qk=True), "PRESCALE_QK"),
+    (dict(tma_obstacle="the key's strides [3, 1] are not multiples of 16 bytes"), "not multiples of 16 bytes"),
+    (dict(pinned_tiles=("BLOCK_M",)), "BLOCK_M"),
+])
+def test_calls_the_gluon_kernel_does_not_cover_take_the_triton_template(change, reason):
+    inputs = dataclasses.replace(HOPPER_CALL, **change)
+    plan = plan_forward(inputs)
+    assert plan.kernel == "triton" and reason in plan.reason, plan
+    with pytest.raises(ValueError, match=f"BACKEND='GLUON' cannot run this call: .*{re.escape(reason)}"):
+        plan_forward(dataclasses.replace(inputs, backend="GLUON"))
+
+
+def test_head_dim_64_takes_the_triton_template_unless_gluon_is_asked_for():
+    d64 = dataclasses.replace(HOPPER_CALL, qk_head_dim=64, v_head_dim=64)
+    assert 64 not in gluon_configs.DEFAULT_HEAD_DIMS
+    assert plan_forward(d64) == ForwardPlan("triton", "head dim 64: the Triton template measured faster")
+    assert plan_forward(dataclasses.replace(d64, backend="GLUON")).kernel == "gluon"
+
+
+def test_backend_triton_forces_the_template():
+    assert plan_forward(dataclasses.replace(HOPPER_CALL, backend="TRITON")) == ForwardPlan(
+        "triton", "kernel_options BACKEND='TRITON'")
+
+
+def test_backend_gluon_is_a_known_option_and_flash_names_it():
+    flexattn.options.validate({"BACKEND": "GLUON"})
+    with pytest.raises(ValueError, match="'GLUON'"):
+        flexattn.options.validate({"BACKEND": "FLASH"})
+
+
+def test_every_tile_fits_shared_memory():
+    for dim, cfg in gluon_configs.SM90.items():
+        assert gluon_configs.config_for(dim, dim, 2) == cfg
+        assert gluon_configs.shared_memory_estimate(cfg, dim, dim, 2) <= gluon_configs.SMEM_LIMIT
+        assert cfg.block_m == 128 and 128 % cfg.block_n == 0
+
+
+# --------------------------------------------------------------------------------------
+# Inductor's code inside a Gluon kernel
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("line, expected", [
+    ("tmp1 = tl.full([1], 30.0, tl.float32)", "tmp1 = tl.cast(30.0, tl.float32)"),
+    ("tmp3 = tl.full([1, 1], 0, tl.int32)", "tmp3 = tl.cast(0, tl.int32)"),
+    ('tmp4 = tl.full([1], float("-inf"), tl.float32)', 'tmp4 = tl.cast(float("-inf"), tl.float32)'),
+    ("t = tl.full([1], 0x80000000, tl.uint32).to(tl.float32, bitcast=True)",
+     "t = tl.cast(0x80000000, tl.uint32).to(tl.float32, bitcast=True)"),
+    ("t = tl.full([1], -1, tl.int64).to(tl.uint64)", "t = tl.cast(-1, tl.int64).to(tl.uint64)"),
+    ("x = tl.full([BLOCK_M, BLOCK_N], 0, tl.int32)", "x = tl.full([BLOCK_M, BLOCK_N], 0, tl.int32)"),
+    ("tmp2 = tl.load(in_ptr11 + tmp1)", "tmp2 = tl.load(in_ptr11 + tmp1)"),
+])
+def test_typed_constants_become_scalars(line, expected):
+    assert gluon_compatible(line) == expected
+
+
+def _rendered_gluon_sources(monkeypatch, tmp_path, run) -> list[str]:
+    """The Gluon kernel modules Inductor writes for ``run`` with the plan forced to the
+    Gluon kernel (on the CPU the compiled call then fails to launch, which is expected)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dispatch, "plan_forward", lambda inputs: ForwardPlan("gluon", "forced"))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, force_disable_caches=True):
+        try:
+            run()
+        except Exception:  # noqa: BLE001 - the launch cannot work without a Hopper GPU
+            pass
+    sources = []
+    for path in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True):
+        text = open(path).read()
+        if text.lstrip().startswith("from triton.experimental import gluon"):
+            sources.append(path)
+    return sources
+
+
+#: Compiles rendered Gluon kernel modules for sm90 and prints what the test checks, one JSON
+#: line per module. It runs in a process of its own: under TRITON_INTERPRET=1 (the CPU
+#: suite) Triton's standard library is interpreted and cannot be compiled.
+_OFFLINE_COMPILE = r"""
+import importlib.util, json, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon._runtime import GluonASTSource
+
+for path in sys.argv[1:]:
+    spec = importlib.util.spec_from_file_location("rendered_gluon_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    autotuner = getattr(module, re.search(r"@gluon\.jit\ndef (\w+)\(", open(path).read()).group(1))
+    meta = autotuner.triton_meta
+    source = GluonASTSource(autotuner.fn, dict(meta["signature"]), constexprs={},
+                            attrs=meta["configs"][0] if meta.get("configs") else None)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(tmp + "/kernel.ptx", "w") as f:
+            f.write(ptx)
+        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/kernel.ptx", "-o",
+                                 tmp + "/kernel.o"], capture_output=True, text=True, check=True)
+    log = report.stdout + report.stderr
+    print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
+                      "setmaxnreg": "setmaxnreg" in ptx,
+                      "spills": sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
+                      "ptxas_read": "bytes spill stores" in log}))
+"""
+
+
+def _compile_offline_for_sm90(paths: list[str]) -> list[dict]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _OFFLINE_COMPILE, *paths], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+OFFLINE_CASES = {
+    "document_odd_lengths_d64": dict(E=64, L=200, S=300, mask="document"),
+    "causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi"),
+    "softcap_sinks_d256": dict(E=256, L=128, S=128, score="softcap", sinks=True),
+}
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="renders through the CPU's Triton path (a GPU runs the kernel instead)")
+@pytest.mark.parametrize("case", sorted(OFFLINE_CASES))
+def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp_path):
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    c = OFFLINE_CASES[case]
+    B, H, E, L, S = 2, 4, c["E"], c["L"], c["S"]
+    gen = harness.generator(0)
+    q, k, v = (harness.randn(gen, B, H, n, E, dtype=torch.float16) for n in (L, S, S))
+    block_mask, score_mod, kwargs = None, None, {}
+    if c.get("mask") == "document":
+        ids = torch.arange(max(L, S), device=DEVICE) // 97
+        block_mask = create_block_mask(lambda b, h, qi, ki: ids[qi] == ids[ki], B, None, L, S, device=DEVICE)
+    elif c.get("mask") == "causal":
+        block_mask = create_block_mask(mods.causal_mask, B, None, L, S, device=DEVICE)
+    if c.get("score") == "alibi":
+        score_mod = mods.alibi(H, device=DEVICE)
+    elif c.get("score") == "softcap":
+        score_mod = mods.tanh_softcap(30.0)
+    if c.get("sinks"):
+        kwargs["sinks"] = harness.randn(gen, H)
+
+    def run():
+        torch.compile(flexattn.flex_attention)(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
+
+    sources = _rendered_gluon_sources(monkeypatch, tmp_path, run)
+    assert sources, "no Gluon kernel was rendered"
+    reports = _compile_offline_for_sm90(sources)
+    assert len(reports) == len(sources)
+    for report in reports:
+        assert report["setmaxnreg"], "the partitions' register budgets were not applied"
+        assert report["num_warps"] == 12  # two consumer warpgroups and the producer's
+        assert report["shared"] <= gluon_configs.SMEM_LIMIT
+        assert report["ptxas_read"] and report["spills"] == 0, "registers spill to local memory"
+
+
+# --------------------------------------------------------------------------------------
+# On an sm90 GPU: numerics of both kernels
+# --------------------------------------------------------------------------------------
+GPU_CASES = {
+    "causal_d128": dict(E=128, L=1000, S=1000, mask=mods.causal_mask),
+    "no_mask_odd_d128": dict(E=128, L=255, S=300),
+    "causal_d64": dict(E=64, L=640, S=640, mask=mods.causal_mask),
+    "causal_d256": dict(E=256, L=384, S=384, mask=mods.causal_mask),
+    "alibi_causal_d128": dict(E=128, L=512, S=512, mask=mods.causal_mask, score="alibi"),
+    "softcap_d128": dict(E=128, L=384, S=384, score="softcap"),
+    "sliding_window_d128": dict(E=128, L=1024, S=1024, mask=mods.sliding_window(200)),
+    "gqa_causal_d128": dict(E=128, Hq=8, Hkv=2, L=640, S=640, mask=mods.causal_mask),
+    "empty_rows_d128": dict(E=128, L=384, S=384, mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
+    "cross_q_shorter_d128": dict(E=128, L=100, S=777),
+    "value_dim_64_d128": dict(E=128, Ev=64, L=256, S=512, mask=mods.causal_mask),
+}
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")
+@pytest.mark.parametrize("backend", ["GLUON", "TRITON"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, backend):
+    c = GPU_CASES[case]
+    Hq, Hkv = c.get("Hq", 4), c.get("Hkv", 4)
+    q, k, v = harness.make_inputs(7, B=2, Hq=Hq, Hkv=Hkv, L=c["L"], S=c["S"], E=c["E"], Ev=c.get("Ev"), dtype=dtype)
+    score_mod = {"alibi": mods.alibi(Hq, device=DEVICE), "softcap": mods.tanh_softcap(30.0),
+                 None: lambda score, b, h, q_idx, kv_idx: score}[c.get("score")]
+    block_mask = create_block_mask(c.get("mask") or noop_mask, None, None, c["L"], c["S"], device=DEVICE)
+    options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND=backend)
+    scale = c["E"] ** -0.5
+    bm = block_mask.as_tuple()
+    golden, ref = harness.reference_runs(harness.dense_reference(score_mod, bm, scale, options), (q, k, v))
+    harness.poison_allocator(8 * q.numel())
+
+    @torch.compile(fullgraph=True)
+    def compiled(q, k, v):
+        return flex_attention_hop(q, k, v, score_mod, bm, scale, options, (), ())
+
+    harness.check_attention(compiled(q, k, v), ref, golden, dtype)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")
+def test_default_choice_on_hopper_is_logged(caplog):
+    q, k, v = harness.make_inputs(3, B=1, Hq=2, L=256, S=256, E=128, dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="flexattn.lowering"):
+        torch.compile(flexattn.flex_attention)(q, k, v)
+    assert any("forward kernel Gluon" in r.getMessage() for r in caplog.records)
+    torch._dynamo.reset()
+    q, k, v = harness.make_inputs(3, B=1, Hq=2, L=256, S=256, E=128, dtype=torch.float32)
+    with caplog.at_level("INFO", logger="flexattn.lowering"):
+        torch.compile(flexattn.flex_attention)(q, k, v)
+    assert any("forward kernel Triton (dtype torch.float32" in r.getMessage() for r in caplog.records)
