@@ -94,6 +94,15 @@ def test_backend_gluon_is_a_known_option_and_flash_names_it():
         flexattn.options.validate({"BACKEND": "FLASH"})
 
 
+def test_max_autotune_adds_the_candidates_that_fit():
+    assert gluon_configs.candidate_configs(128, 128, 2, False, 128) == [gluon_configs.SM90[128]]
+    tuned = gluon_configs.candidate_configs(128, 128, 2, True, 128)
+    assert tuned[0] == gluon_configs.SM90[128] and len(tuned) == len(set(tuned)) > 1
+    # D=256 with a 3-deep ring of 128-row tiles would not fit.
+    assert all(gluon_configs.fits(c, 256, 256, 2) for c in gluon_configs.candidate_configs(256, 256, 2, True, 128))
+    assert all(c.block_n == 64 for c in gluon_configs.candidate_configs(128, 128, 2, True, 64)[1:])
+
+
 def test_every_tile_fits_shared_memory():
     for dim, cfg in gluon_configs.SM90.items():
         assert gluon_configs.config_for(dim, dim, 2) == cfg

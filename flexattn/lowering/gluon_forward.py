@@ -2,14 +2,15 @@
 
 Taken where ``forward_plan.plan_forward`` says so. ``lower_gluon_forward`` prepares the
 call as the Triton forward does (``common.prepare_call``), derives the same constexprs
-on the host plus the Gluon tile (``configs/gluon_forward.py``), and hands one choice to
-Inductor; the kernel writes the output and, in place, the log-sum-exp and row maxima.
+on the host plus the Gluon tile (``configs/gluon_forward.py``: the default, and under
+max_autotune a few more), and hands the choices to Inductor; the kernel writes the output and, in place, the log-sum-exp and row maxima.
 """
 
 from __future__ import annotations
 
 import time
 
+from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn
 
@@ -54,7 +55,8 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         has_score_mod=call.has_score_mod, kernel="forward", reversed_q_tiles_default=False,
     )
     spec["HAS_SINKS"] = sinks is not None
-    cfg = gluon_configs.config_for(spec["QK_HEAD_DIM"], spec["V_HEAD_DIM"], query.get_dtype().itemsize)
+    usable = gluon_configs.candidate_configs(spec["QK_HEAD_DIM"], spec["V_HEAD_DIM"], query.get_dtype().itemsize,
+                                             bool(inductor_config.max_autotune), call.sparse_kv)
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
     row_max = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
@@ -68,7 +70,7 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
               "seed": common.seed_for_kernel(None, device)}
     input_nodes = list(inputs.values())
     choices, config_of_choice = common.template_choices(
-        gluon_forward_template, [cfg], "Gluon forward",
+        gluon_forward_template, usable, "Gluon forward",
         lambda c: {**spec,
                    "IS_DIVISIBLE_M": common.divisible(query.get_size()[2], c.block_m),
                    "IS_DIVISIBLE_N": common.divisible(key.get_size()[2], call.sparse_kv),
@@ -83,6 +85,6 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         TEMPLATE_NAME, choices, input_nodes + common.captured_inputs(call), layout,
         input_gen_fns=common.benchmark_table_inputs(inputs, tables, call.has_full_blocks))
 
-    common.report_choice("forward (Gluon)", out, config_of_choice, [cfg], spec, common.REPORTED_SPECIALISATIONS,
+    common.report_choice("forward (Gluon)", out, config_of_choice, usable, spec, common.REPORTED_SPECIALISATIONS,
                          query, key, value, kernel_options, started=started)
     return out, ir.TensorBox(lse), ir.TensorBox(row_max)

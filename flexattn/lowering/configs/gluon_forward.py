@@ -58,9 +58,33 @@ def shared_memory_estimate(cfg: GluonForwardConfig, qk_head_dim: int, v_head_dim
     return elem_bytes * (cfg.block_m * qk_head_dim + cfg.num_stages * cfg.block_n * (qk_head_dim + v_head_dim))
 
 
+#: Extra candidates benchmarked under Inductor's max_autotune (those that fit).
+AUTOTUNE_CANDIDATES: tuple[GluonForwardConfig, ...] = (
+    GluonForwardConfig(128, 128, 3),
+    GluonForwardConfig(128, 64, 2),
+    GluonForwardConfig(128, 64, 3),
+)
+
+
+def fits(cfg: GluonForwardConfig, qk_head_dim: int, v_head_dim: int, elem_bytes: int) -> bool:
+    return shared_memory_estimate(cfg, qk_head_dim, v_head_dim, elem_bytes) <= SMEM_LIMIT
+
+
 def config_for(qk_head_dim: int, v_head_dim: int, elem_bytes: int) -> GluonForwardConfig | None:
-    """The call's configuration, or None where none fits shared memory."""
+    """The call's default configuration, or None where none fits shared memory."""
     cfg = SM90.get(qk_head_dim)
-    if cfg is None or shared_memory_estimate(cfg, qk_head_dim, v_head_dim, elem_bytes) > SMEM_LIMIT:
+    if cfg is None or not fits(cfg, qk_head_dim, v_head_dim, elem_bytes):
         return None
     return cfg
+
+
+def candidate_configs(qk_head_dim: int, v_head_dim: int, elem_bytes: int, max_autotune: bool,
+                      sparse_kv: int) -> list[GluonForwardConfig]:
+    """The default, then under max_autotune the other candidates that fit shared memory
+    and divide the BlockMask's KV block."""
+    default = config_for(qk_head_dim, v_head_dim, elem_bytes)
+    configs = [default] if default is not None else []
+    if max_autotune:
+        configs += [c for c in AUTOTUNE_CANDIDATES if c not in configs and sparse_kv % c.block_n == 0
+                    and fits(c, qk_head_dim, v_head_dim, elem_bytes)]
+    return configs
