@@ -33,7 +33,7 @@ from torch import Tensor
 from . import _compat
 from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, call_dropout, flex_attention_hop, identity_score_mod
-from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, noop_mask, sliced_mask_mod
+from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, noop_mask, sliced_mask_mod, tile_for_call
 from .mod_signature import required_positional_count
 from .reference import attention_probabilities, dense_math
 
@@ -221,7 +221,7 @@ def _check_block_mask(block_mask: Any, query: Tensor, key: Tensor) -> BlockMask:
             f"flexattn: block_mask is on {block_mask.kv_num_blocks.device} but query is on "
             f"{query.device}; move it with block_mask.to(query.device)"
         )
-    block_mask = block_mask._tile_to(B, Hq)
+    block_mask = tile_for_call(block_mask, B, Hq)
     mask_q, mask_kv = block_mask.seq_lengths
     if (mask_q, mask_kv) != (L, S):
         if mask_q < L or mask_kv < S:

@@ -493,18 +493,6 @@ class BlockMask:
             compute_q_blocks=self.q_indices is not None,
         )
 
-    def _tile_to(self, batch: int, heads: int) -> BlockMask:
-        """The mask a call with ``batch`` x ``heads`` query rows reads: batch b and head h
-        use the mask's entry (b % mask batch, h % mask heads), as torch's flex does. A
-        mask dim of 1 or of the call's size is kept (1 broadcasts in the kernels); a
-        larger one is narrowed (a view); a smaller one is gathered (the tables are per
-        block, small). mask_mod still sees the call's b and h."""
-        sizes = self.kv_num_blocks.shape[:2]
-        if all(size in (1, want) for size, want in zip(sizes, (batch, heads))):
-            return self
-        tables = {name: tile_table(getattr(self, name), batch, heads) for name in self._TENSOR_FIELDS}
-        return BlockMask(self.seq_lengths, **tables, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
-
     def _adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
         """Crop to the upper-left (new_q_len, new_kv_len) corner of the mask.
 
@@ -540,6 +528,19 @@ class BlockMask:
         moved = {name: None if getattr(self, name) is None else getattr(self, name).to(device)
                  for name in self._TENSOR_FIELDS}
         return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+
+
+def tile_for_call(block_mask: BlockMask, batch: int, heads: int) -> BlockMask:
+    """The mask a call with ``batch`` x ``heads`` query rows reads: batch b and head h
+    use the mask's entry (b % mask batch, h % mask heads), as torch's flex does. A mask
+    dim of 1 or of the call's size is kept (1 broadcasts in the kernels); a larger one
+    is narrowed (a view); a smaller one is gathered (the tables are per block, small).
+    mask_mod still sees the call's b and h."""
+    sizes = block_mask.kv_num_blocks.shape[:2]
+    if all(size in (1, want) for size, want in zip(sizes, (batch, heads))):
+        return block_mask
+    tables = {name: tile_table(getattr(block_mask, name), batch, heads) for name in BLOCK_TABLE_FIELDS}
+    return BlockMask(block_mask.seq_lengths, **tables, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod)
 
 
 def create_block_mask(
