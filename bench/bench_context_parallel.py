@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexattn  # noqa: E402
 from flexattn import mods  # noqa: E402
 from flexattn.distributed import ContextParallelAttention  # noqa: E402
-from flexattn.distributed.attention import _choose_strategy  # noqa: E402  (what "auto" picks)
+from flexattn.distributed.attention import choose_strategy  # noqa: E402  (what "auto" picks)
 from flexattn.distributed.local import LocalMasks  # noqa: E402
 
 H, D, BLOCK = 16, 128, 128
@@ -142,7 +142,7 @@ def run_flexattn(name, S, strategy, rank, full, expected, args):
     if args.profile:
         profile_steps(fwd_bwd(attention, q, k, v, local[3]), f"{name} {S} {strategy}", rank)
     masks = LocalMasks(bm, attention.plan, None, torch.device(DEVICE))
-    return ms, attention.plan.imbalance, float(diff), masks.received_fraction(), _choose_strategy("auto")
+    return ms, attention.plan.imbalance, float(diff), masks.received_fraction(), choose_strategy("auto")
 
 
 def profile_steps(step, label: str, rank: int, steps: int = 3) -> None:

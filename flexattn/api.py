@@ -33,7 +33,8 @@ from torch import Tensor
 from . import _compat
 from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, call_dropout, flex_attention_hop, identity_score_mod
-from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, _sliced_mask_mod, noop_mask
+from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, noop_mask, sliced_mask_mod, tile_for_call
+from .mod_signature import required_positional_count
 from .reference import attention_probabilities, dense_math
 
 log = logging.getLogger("flexattn.api")
@@ -197,7 +198,7 @@ def _check_mod(name: str, fn: Any, arity: int, signature: str) -> None:
         raise TypeError(f"flexattn: {name} must be callable {signature}, got {type(fn).__name__}")
     if torch.compiler.is_compiling():
         return  # Dynamo checks the call when it speculates the mod
-    n = _required_positional_count(fn)
+    n = required_positional_count(fn)
     if n is not None and n != arity:
         raise TypeError(f"flexattn: {name} must take {arity} arguments {signature}, but it takes {n}")
 
@@ -220,7 +221,7 @@ def _check_block_mask(block_mask: Any, query: Tensor, key: Tensor) -> BlockMask:
             f"flexattn: block_mask is on {block_mask.kv_num_blocks.device} but query is on "
             f"{query.device}; move it with block_mask.to(query.device)"
         )
-    block_mask = block_mask._tile_to(B, Hq)
+    block_mask = tile_for_call(block_mask, B, Hq)
     mask_q, mask_kv = block_mask.seq_lengths
     if (mask_q, mask_kv) != (L, S):
         if mask_q < L or mask_kv < S:
@@ -228,11 +229,11 @@ def _check_block_mask(block_mask: Any, query: Tensor, key: Tensor) -> BlockMask:
                 f"flexattn: block_mask was created for (Q_LEN, KV_LEN) = ({mask_q}, {mask_kv}) but "
                 f"query/key have ({L}, {S}); build it for at least those lengths"
             )
-        block_mask = block_mask._adjust(L, S)
+        block_mask = block_mask.adjust(L, S)
     return block_mask
 
 
-def _full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
+def full_block_mask(query: Tensor, key: Tensor) -> BlockMask:
     """A BlockMask in which every KV block is fully visible to every query block.
 
     All eight tables are views of one ``arange`` (counts as one-element slices, block
@@ -410,9 +411,9 @@ def flex_attention(
     _check_mod("score_mod", score_mod, 5, "(score, b, h, q_idx, kv_idx)")
     default_mask = block_mask is None
     if default_mask:
-        block_mask = _full_block_mask(query, key)
+        block_mask = full_block_mask(query, key)
     block_mask = _check_block_mask(block_mask, query, key)
-    if block_mask.mask_mod is _sliced_mask_mod:
+    if block_mask.mask_mod is sliced_mask_mod:
         # Raised here, not when the kernel's mask_mod is traced (torch.compile would wrap it).
         raise RuntimeError(
             "flexattn: Cannot use mask_mod from a sliced BlockMask: block_mask[...] renumbers batches, "

@@ -55,9 +55,9 @@ def _reference(q, k, v, score_mod, block_mask):
 
     q64, k64, v64 = (t.detach().to(torch.float64) for t in (q, k, v))
     if block_mask is None:
-        from .api import _full_block_mask
+        from .api import full_block_mask
 
-        block_mask = _full_block_mask(q64, k64)
+        block_mask = full_block_mask(q64, k64)
     out, _, _ = dense_math(q64, k64, v64, score_mod or identity_score_mod, block_mask.as_tuple(),
                            1.0 / math.sqrt(q.shape[-1]), (), ())
     return out

@@ -40,7 +40,9 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .block_mask import BlockMask, _compact_kept, _required_positional_count
+from .block_mask import BlockMask
+from .block_tables import compact_kept
+from .mod_signature import required_positional_count
 
 __all__ = ["PagedKVCache"]
 
@@ -424,7 +426,7 @@ class PagedKVCache:
         The returned mod reads the cache's ``owner_page`` and ``slots`` as captured
         tensors, so later page changes are seen without rebuilding it.
         """
-        if not callable(mask_mod) or _required_positional_count(mask_mod) not in (4, None):
+        if not callable(mask_mod) or required_positional_count(mask_mod) not in (4, None):
             raise TypeError(f"flexattn: PagedKVCache mask_mod must be a callable (b, h, q_idx, kv_idx), "
                             f"got {mask_mod!r}")
         return self._paged_mask_mod(mask_mod, self._as_slots(slots, validate), None)
@@ -453,7 +455,7 @@ class PagedKVCache:
                            validate: bool = True) -> Callable:
         """``score_mod(score, b, h, q_idx, kv_idx)`` written in logical positions, applied
         at pool positions for the batch ``slots`` (it sees the logical kv_idx)."""
-        if not callable(score_mod) or _required_positional_count(score_mod) not in (5, None):
+        if not callable(score_mod) or required_positional_count(score_mod) not in (5, None):
             raise TypeError(f"flexattn: PagedKVCache score_mod must be a callable (score, b, h, q_idx, kv_idx), "
                             f"got {score_mod!r}")
         slots = self._as_slots(slots, validate)
@@ -565,4 +567,4 @@ class PagedKVCache:
                                 idx.clamp(0, width - 1)).long()
         keep = keep & (idx < width) & (physical >= 0)
         block = (physical * (self.page_stride // self.page_size)).to(torch.int32)
-        return _compact_kept(keep, block, width)
+        return compact_kept(keep, block, width)

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ._mask_tuple import BlockMaskView
+from .block_tables import flags_from_lists, kv_columns
 
 
 # --------------------------------------------------------------------------------------
@@ -107,40 +108,19 @@ def block_mask_visibility(block_mask: tuple, B: int, H: int, L: int, S: int, dev
     q_block, kv_block = bm.block_sizes
     mask_mod = bm.mask_mod
 
-    def block_grid(num: Tensor, idx: Tensor) -> Tensor:
-        return listed_grid(num, idx, kv_block_columns(idx.shape[-1], S, kv_block))
+    def listed_flags(num: Tensor, idx: Tensor) -> Tensor:
+        return flags_from_lists(num, idx, kv_columns(idx, S, kv_block))
 
     def to_entries(grid: Tensor) -> Tensor:
         grid = grid.repeat_interleave(q_block, dim=-2).repeat_interleave(kv_block, dim=-1)
         grid = _fit_last_two(grid, L, S)
         return grid.expand(B, H, L, S)
 
-    partial = to_entries(block_grid(kv_num, kv_idx).to(device))
+    partial = to_entries(listed_flags(kv_num, kv_idx).to(device))
     allowed = partial & apply_mask_mod(mask_mod, B, H, L, S, device, mask_mod_buffers)
     if full_num is not None:
-        allowed = allowed | to_entries(block_grid(full_num, full_idx).to(device))
+        allowed = allowed | to_entries(listed_flags(full_num, full_idx).to(device))
     return allowed
-
-
-def kv_block_columns(width: int, kv_len: int, kv_block: int) -> int:
-    """KV block columns of a mask's block grid: the blocks kv_len covers, or the index
-    rows' width where that is larger (rows may be narrower than the KV blocks)."""
-    return max(width, -(-kv_len // kv_block))
-
-
-def listed_grid(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:
-    """Block lists -> bool (..., rows, num_cols): column c of row r is set when c is
-    among the first num_blocks[..., r] entries of indices[..., r, :]. The entries after
-    those (padding, which may repeat ids) are sent to a scratch column and dropped, and
-    so are listed ids outside [0, num_cols) (an invalid mask, which BlockMask.from_kv_blocks
-    reports where it can read the values for free), instead of failing in the scatter
-    (on a GPU, a device-side assert)."""
-    slots = torch.arange(indices.shape[-1], device=indices.device)
-    ids = indices.to(torch.int64)
-    listed = (slots < num_blocks.unsqueeze(-1)) & (ids >= 0) & (ids < num_cols)
-    columns = torch.where(listed, ids, num_cols)
-    grid = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=torch.bool, device=indices.device)
-    return grid.scatter_(-1, columns, True)[..., :num_cols]
 
 
 def _fit_last_two(grid: Tensor, L: int, S: int) -> Tensor:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from flexattn.block_mask import BlockMask, _ordered_to_dense, and_masks, or_masks
+from flexattn.block_mask import BlockMask, and_masks, or_masks
+from flexattn.block_tables import flags_from_lists
 from flexattn.mods import causal_mask, document_mask, prefix_lm, sliding_window
 
 TENSOR_FIELDS = BlockMask._TENSOR_FIELDS
@@ -70,10 +71,10 @@ def block_kinds_of(mask) -> torch.Tensor:
     """int64 (B, H, QB, KVB) kinds 0/1/2 = empty/partial/full of flexattn's or torch's
     BlockMask, from its block lists."""
     cols = mask.kv_indices.shape[-1]
-    kinds = _ordered_to_dense(mask.kv_num_blocks.cpu(), mask.kv_indices.cpu(), cols).long()
+    kinds = flags_from_lists(mask.kv_num_blocks.cpu(), mask.kv_indices.cpu(), cols).long()
     if mask.full_kv_num_blocks is not None:
-        full = _ordered_to_dense(mask.full_kv_num_blocks.cpu(), mask.full_kv_indices.cpu(), cols)
-        kinds = torch.where(full.bool(), 2, kinds)
+        full = flags_from_lists(mask.full_kv_num_blocks.cpu(), mask.full_kv_indices.cpu(), cols)
+        kinds = torch.where(full, 2, kinds)
     return kinds
 
 

@@ -14,6 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexattn.block_mask as bm
+import flexattn.mask_evaluation as mask_evaluation
+from flexattn.block_tables import lists_from_flags
 from flexattn.block_mask import (
     BlockMask,
     and_masks,
@@ -107,14 +109,14 @@ def test_chunked_equals_one_shot(monkeypatch, case, budget):
     mask_mod = MASK_CASES[case](B, H, Q, KV)
     one_shot = create_block_mask(mask_mod, B, H, Q, KV, device=CPU)
     calls = []
-    original = bm._evaluate_mod
+    original = mask_evaluation.evaluate_mod
 
     def counting(mod, b, h, q, kv, score=None):
         calls.append(b.numel() * h.numel() * q.numel() * kv.numel())
         return original(mod, b, h, q, kv, score)
 
     monkeypatch.setattr(bm, "MASK_CHUNK_BYTES", budget * bm.BYTES_PER_MASK_ELEMENT)
-    monkeypatch.setattr(bm, "_evaluate_mod", counting)
+    monkeypatch.setattr(mask_evaluation, "evaluate_mod", counting)
     chunked = create_block_mask(mask_mod, B, H, Q, KV, device=CPU)
     assert_same_block_mask(chunked, one_shot)
     assert len(calls) > 1
@@ -136,7 +138,7 @@ def test_chunked_equals_one_shot(monkeypatch, case, budget):
 )
 def test_chunk_plan_fits_budget(B, H, QB, budget_units, expected):
     q_block, KV = 128, 1000
-    plan = bm._chunk_plan(B, H, QB, q_block, KV, budget_units * q_block * KV)
+    plan = mask_evaluation.chunk_plan(B, H, QB, q_block, KV, budget_units * q_block * KV)
     assert plan == expected
     assert plan[0] * plan[1] * plan[2] <= budget_units
 
@@ -689,11 +691,11 @@ def test_same_layout_on_the_test_device(device, case):
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 1, 1, 1), (4, 2, 33, 1), (2, 1, 8, 64), (1, 1, 0, 4), (3, 0, 1)])
-def test_dense_to_ordered_is_a_stable_sort_of_the_flags(shape):
+def test_lists_from_flags_is_a_stable_sort_of_the_flags(shape):
     """The sort-free block lists equal a stable descending sort of the 0/1 flags: set
     blocks first, ascending, then the unset ones, ascending."""
     dense = torch.rand(shape, generator=torch.Generator().manual_seed(len(shape) + shape[-1])) < 0.4
-    num, indices = bm._dense_to_ordered(dense)
+    num, indices = lists_from_flags(dense)
     expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     assert torch.equal(indices, expected) and torch.equal(num, dense.sum(-1, dtype=torch.int32))
     assert num.dtype == indices.dtype == torch.int32
@@ -719,8 +721,9 @@ def test_whole_grid_flags_of_a_trace_equal_the_chunked_ones(case, size, block_si
     eager flags, hanging edge tiles included. It is plain torch, so it runs eagerly."""
     Q, KV = size
     mask_mod = MASK_CASES[case](2, 3, Q, KV)
-    traced = bm._traced_block_flags(mask_mod, 2, 3, Q, KV, torch.device(CPU), *block_size)
-    chunked = bm._compute_block_flags(mask_mod, 2, 3, Q, KV, torch.device(CPU), *block_size, compile_chunks=False)
+    traced = mask_evaluation.traced_block_flags(mask_mod, 2, 3, Q, KV, torch.device(CPU), *block_size)
+    chunked = mask_evaluation.chunked_block_flags(mask_mod, 2, 3, Q, KV, torch.device(CPU), *block_size,
+                                                  chunk_elements=bm.MASK_CHUNK_BYTES // bm.BYTES_PER_MASK_ELEMENT)
     assert torch.equal(traced[0], chunked[0]) and torch.equal(traced[1], chunked[1])
 
 

@@ -202,7 +202,7 @@ def test_short_queries_use_the_forward_kernel():
                                            return_aux=AuxRequest(lse=True, probabilities=True))
     dropout = Dropout(0.5, None, _kept(aux.probabilities))
     golden, ref = harness.reference_runs(
-        lambda q, k, v: dense_math(q, k, v, _identity, flexattn.api._full_block_mask(q, k).as_tuple(), 0.25, (), (),
+        lambda q, k, v: dense_math(q, k, v, _identity, flexattn.api.full_block_mask(q, k).as_tuple(), 0.25, (), (),
                                    None, dropout), (q, k, v))
     harness.check_attention((out, aux.lse), ref, golden, torch.float16, max_scores=False)
     assert 0.3 < _kept(aux.probabilities).double().mean().item() < 0.7

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from flexattn.block_mask import _evaluate_mod, create_mask
+from flexattn.block_mask import create_mask
+from flexattn.mask_evaluation import evaluate_mod
 from flexattn.mods import (
     alibi,
     alibi_bias,
@@ -36,7 +37,7 @@ def _mask(mask_mod, b=B, h=H, q_len=Q, kv_len=KV):
 
 def _scores(score_mod, scores):
     b, h, q, kv = (torch.arange(n) for n in scores.shape)
-    return _evaluate_mod(score_mod, b, h, q, kv, score=scores)
+    return evaluate_mod(score_mod, b, h, q, kv, score=scores)
 
 
 def _expand(mask2d):

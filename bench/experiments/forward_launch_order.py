@@ -45,7 +45,8 @@ def mask_of(name: str, S: int):
         return docs if name == "document" else flexattn.and_masks(docs, mods.causal_mask)
     if name == "padding":
         lengths = torch.linspace(S // 2, S, 4, device="cuda").long()
-        return lambda b, h, q_idx, kv_idx: kv_idx < mods._lookup(lengths, b)
+        # lengths[b] as one aten.index op (a 0-d index tensor traces; Python indexing would not).
+        return lambda b, h, q_idx, kv_idx: kv_idx < torch.ops.aten.index.Tensor(lengths, [b])
     if name == "causal":
         return mods.causal_mask
     if name == "document":

@@ -66,7 +66,7 @@ def captured_tensors(fn: Callable | None) -> list[Tensor]:
     return list(found.values())
 
 
-def _choose_strategy(strategy: str) -> str:
+def choose_strategy(strategy: str) -> str:
     """``auto``: the all-gather, which moves only the blocks a rank's queries list and
     makes one kernel call each way: faster than the ring on every mask and length
     measured, at 2 and 4 ranks (bench/DECISIONS.md#cp-strategy). The ring stays for
@@ -264,7 +264,7 @@ def context_parallel_attention(
         raise TypeError(f"flexattn: block_mask must be a BlockMask, got {type(block_mask).__name__}")
     _check_shards(query, key, value, plan)
     masks = _local_masks(block_mask, plan, score_mod, query.device)
-    chosen = _choose_strategy(strategy)
+    chosen = choose_strategy(strategy)
     if chosen == "ring":
         setup = _Setup(masks, RingExchange(masks, rank, group), scale, enable_gqa, kernel_options, key.shape[-1])
         out, lse = _Ring.apply(setup, query, key, value, *captured_tensors(score_mod))

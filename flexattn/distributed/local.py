@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..block_mask import BlockMask, _from_block_flags
+from ..block_mask import BlockMask
+from ..block_tables import tables_from_flags
 from .plan import ShardPlan, block_flags
 
 
@@ -124,8 +125,8 @@ class LocalMasks:
         q_pos = self._positions[rank]
         kv_pos = block_positions(kv_blocks, self.block_mask.BLOCK_SIZE[1]).to(self.device)
         length = (q_pos.numel(), kv_pos.numel())
-        mask = _from_block_flags(partial, full, length, self.block_mask.BLOCK_SIZE,
-                                 global_mask_mod(self.block_mask.mask_mod, q_pos, kv_pos)).to(self.device)
+        mask = BlockMask(length, *tables_from_flags(partial, full), BLOCK_SIZE=self.block_mask.BLOCK_SIZE,
+                         mask_mod=global_mask_mod(self.block_mask.mask_mod, q_pos, kv_pos)).to(self.device)
         score_mod = None if self.score_mod is None else global_score_mod(self.score_mod, q_pos, kv_pos)
         blocks = int(partial.sum()) + (int(full.sum()) if full is not None else 0)
         self._calls[key] = LocalCall(kv_ranks, mask, score_mod, blocks)

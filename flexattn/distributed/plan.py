@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..block_mask import BlockMask, _ordered_to_dense
+from ..block_mask import BlockMask
+from ..block_tables import block_grid, flags_from_lists
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,11 @@ def plan_shards(inputs: ShardInputs, block_len: int) -> ShardPlan:
 
 def block_flags(block_mask: BlockMask) -> tuple[Tensor, Tensor | None]:
     """The mask's partial and full block flags, bool (..., QB, KVB)."""
-    q_blocks, kv_blocks = block_mask._block_grid()
-    partial = _ordered_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, kv_blocks).bool()
+    q_blocks, kv_blocks = block_grid(block_mask.seq_lengths, block_mask.BLOCK_SIZE)
+    partial = flags_from_lists(block_mask.kv_num_blocks, block_mask.kv_indices, kv_blocks)
     full = None
     if block_mask.full_kv_num_blocks is not None:
-        full = _ordered_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_blocks).bool()
+        full = flags_from_lists(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_blocks)
     return partial, full
 
 

@@ -32,6 +32,7 @@ from torch.utils._sympy.functions import FloorDiv, Mod
 from .. import _compat
 from .. import options as _options
 from .._mask_tuple import BlockMaskView
+from ..block_tables import KV_TABLE_FIELDS, Q_TABLE_FIELDS
 from ..reference import dropout_scale, dropout_threshold, stats_dtype
 from .configs.tma import tma_by_default
 from .subgraph import (
@@ -259,17 +260,14 @@ def prepare_call(query, key, value, score_graph, block_mask, kernel_options, sco
         return broadcast_to(node, [B, Hq, *node.get_size()[2:]])
 
     has_full_blocks = bm.full_kv_num_blocks is not None
-    names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
-    if transposed:
-        names += ["q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
+    names = KV_TABLE_FIELDS + (Q_TABLE_FIELDS if transposed else ())
     prepared = {}
     for name in names:
         if name.startswith("full_") and not has_full_blocks:
             prepared[name] = signature_filler(device)
         else:
             prepared[name] = per_query_head(getattr(bm, name))
-    tables = bm._replace(**prepared, **{name: None for name in ("q_num_blocks", "q_indices", "full_q_num_blocks",
-                                                                 "full_q_indices") if name not in prepared})
+    tables = bm._replace(**prepared, **{name: None for name in Q_TABLE_FIELDS if name not in prepared})
 
     score_mod_buffers = [captured_for_kernel(b, query) for b in score_mod_buffers]
     mask_mod_buffers = [captured_for_kernel(b, query) for b in mask_mod_buffers]
