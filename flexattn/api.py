@@ -446,7 +446,7 @@ def flex_attention(
                                              **({"DROPOUT_P": dropout_p} if dropout_p else {})))
     if return_aux is not None and return_aux.probabilities:
         _check_probabilities_size(query, key)
-    # Two int64 draws, [0, 2**62): the Philox key and its stream (reference.dropout_keep).
+    # Two int64 draws, [0, 2**62): the Philox key and its stream (numerics.dropout_keep).
     seed = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=query.device) if dropout_p else None
 
     args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)

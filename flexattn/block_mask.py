@@ -61,7 +61,8 @@ import torch
 from torch import Tensor
 
 from ._compat import pytree
-from .reference import IndexWithTensors, kv_block_columns, listed_grid, vmap_over_bhmn
+from .numerics import IndexWithTensors, vmap_over_bhmn
+from .reference import kv_block_columns, listed_grid
 
 log = logging.getLogger("flexattn.block_mask")
 #: create_block_mask builds at least this long are logged (at INFO, see flexattn/_logging.py).

@@ -28,7 +28,7 @@ import torch
 
 from . import _compat, cpu_abi
 from ._hop import output_strides
-from .reference import stats_dtype
+from .numerics import stats_dtype
 from .templates import render_cpp
 
 #: Engine return codes.

@@ -1,7 +1,8 @@
 """The package's shape: no import circle inside flexattn, no kernel lowering importing
-another, no module over 700 lines (block_mask.py excepted, see below), no history notes
-(session numbers, dates, run ids) in the package, the docs or the README, and no stale
-imports of it in the scripts, benchmarks and examples."""
+another, no kernel code importing the test oracle (flexattn.reference), no module over
+700 lines (block_mask.py excepted, see below), no history notes (session numbers,
+dates, run ids) in the package, the docs or the README, and no stale imports of it in
+the scripts, benchmarks and examples."""
 
 from __future__ import annotations
 
@@ -87,6 +88,22 @@ def test_no_kernel_lowering_imports_another():
     for module in KERNEL_LOWERINGS:
         others = graph[module] & (KERNEL_LOWERINGS - {module})
         assert not others, f"{module} imports {sorted(others)}"
+
+
+#: Kernel code: the Inductor lowerings, the CPU engine's package and the templates' Python.
+KERNEL_CODE = ("flexattn.lowering", "flexattn.cpu", "flexattn.templates")
+ORACLE = "flexattn.reference"
+
+
+def test_no_kernel_code_imports_the_oracle():
+    """The dense reference is the test oracle: kernels take what they share with it
+    (statistics dtype, dropout's keep mask, ...) from flexattn.numerics, so an edit to
+    the oracle cannot change a kernel."""
+    graph = _graph()
+    kernel_modules = [m for m in graph if any(m == p or m.startswith(p + ".") for p in KERNEL_CODE)]
+    assert "flexattn.lowering.forward" in kernel_modules
+    offenders = sorted(m for m in kernel_modules if ORACLE in graph[m])
+    assert not offenders, f"kernel code importing {ORACLE}: {offenders}"
 
 
 def test_module_lengths():

@@ -33,7 +33,7 @@ from torch._inductor.virtualized import V
 
 from .. import cpu_kernels  # noqa: F401 - defines the operators the calls below emit
 from .._hop import buffers_with_grad
-from ..reference import dropout_scale, dropout_threshold, stats_dtype
+from ..numerics import dropout_scale, dropout_threshold, stats_dtype
 from .. import options as _options
 from . import common
 from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, scalar_loader, scatter_terms
