@@ -34,6 +34,7 @@ from . import _compat
 from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, call_dropout, flex_attention_hop, identity_score_mod
 from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, _required_positional_count, _sliced_mask_mod, noop_mask
+from .cpu import uses_engine
 from .reference import attention_probabilities, dense_math
 
 log = logging.getLogger("flexattn.api")
@@ -54,7 +55,7 @@ def _code_version() -> str:
     """
     root = pathlib.Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted([*root.rglob("*.py"), *root.glob("templates/*.jinja")]):
+    for path in sorted(p for suffix in ("*.py", "*.jinja", "*.cpp", "*.h") for p in root.rglob(suffix)):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -268,11 +269,6 @@ def _call_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_opti
                               dropout_seed=dropout_seed)
 
 
-def _cpu_engine(device: torch.device) -> bool:
-    """Whether a call on ``device`` runs the C++ CPU engine (not Triton kernels)."""
-    return device.type == "cpu" and _compat.inductor_cpu_backend() != "triton"
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled_hop(dynamic: bool | None) -> Callable:
     return torch.compile(_call_hop, backend="inductor", fullgraph=True, dynamic=dynamic)
@@ -303,7 +299,7 @@ def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_o
         # Plain autograd through the math: tensors the mods close over get their gradients.
         return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), (), sinks,
                           call_dropout(kernel_options, dropout_seed))
-    compiled = _compiled_hop(None if _cpu_engine(query.device) else False)
+    compiled = _compiled_hop(None if uses_engine(query.device) else False)
     timed = log.isEnabledFor(logging.INFO)
     if timed:
         graphs, started = _compat.compiled_graph_count(), time.perf_counter()
