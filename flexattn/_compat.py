@@ -8,9 +8,10 @@ What counts as private: a dotted name under ``torch`` or ``triton`` with a compo
 starts with an underscore (``torch._C``, ``torch.utils._pytree``, ``triton._C``; dunders
 such as ``torch.__version__`` are public), and anything under ``torch.fx.experimental``.
 ``tests/test_compat_lint.py`` enforces the rule over every module of ``flexattn/``
-except this one and ``lowering/``, listing each offending ``file:line``, and checks that
-every name exported here is used. Nothing is whitelisted: where torch has a public
-spelling flexattn uses it (``torch.compiler.reset``, ``torch.compiler.is_compiling``).
+except this one and the lowering (``lowering/`` and the CPU engine's lowering files),
+listing each offending ``file:line``, and checks that every name exported here is used.
+Nothing is whitelisted: where torch has a public spelling flexattn uses it
+(``torch.compiler.reset``, ``torch.compiler.is_compiling``).
 
 What the lint cannot see: internals reached through objects torch hands to flexattn
 rather than through a module path. These come with the names exported here and have the
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -269,14 +270,37 @@ def inductor_cpu_backend() -> str:
     return inductor_config.cpu_backend
 
 
-def load_cpp_library(source: str):
+def load_cpp_library(source: str, on_build: Callable[[Callable[[], Any]], None] | None = None):
     """A C++ source compiled into a shared library and loaded (``ctypes.CDLL``), with the
     compiler, flags (vector ISA, OpenMP, torch's headers and libraries) and on-disk
     cache Inductor uses for its own C++ kernels: where Inductor's CPU backend compiles,
-    so do flexattn's CPU kernels."""
+    so do flexattn's CPU kernels.
+
+    ``on_build``, when given, is called with the compile step (which it must call) when
+    the library is not in the on-disk cache, and not at all on a cache hit: Inductor
+    asks its ``submit_fn`` for a future exactly when the library file is missing, and
+    the future here runs the step in ``on_build`` when the loader waits on it."""
     from torch._inductor.codecache import CppCodeCache
 
-    return CppCodeCache.load(source)
+    if on_build is None:
+        return CppCodeCache.load(source)
+
+    class _BuildWhenAwaited:
+        def __init__(self, compile_step: Callable[[], Any]):
+            self._compile_step = compile_step
+
+        def result(self) -> None:
+            on_build(self._compile_step)
+
+    return CppCodeCache.load_async(source, submit_fn=_BuildWhenAwaited)()
+
+
+def inductor_cache_dir() -> str:
+    """The directory of Inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR`` or its
+    default), where the C++ libraries are kept."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
 
 
 #: Every public name of this module, those of the sections below included.
@@ -297,6 +321,7 @@ __all__ = [
     "float32_matmul_allows_tf32",
     "graph_zeroed_workspace",
     "hop_init_kwargs",
+    "inductor_cache_dir",
     "inductor_cpu_backend",
     "load_cpp_library",
     "selective_checkpoint_modes",

@@ -23,7 +23,7 @@ import torch
 from . import _compat
 from ._hop import MutatingModError, flex_attention_hop
 from ._mask_tuple import BLOCK_MASK_TUPLE_LEN, BlockMaskView
-from .reference import IndexWithTensors
+from .numerics import IndexWithTensors
 
 _HOP_ARG_NAMES = (
     "query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options",

@@ -32,7 +32,7 @@ or per-head logits (Hq,) or (B, Hq) of any float dtype, each one more key of val
 in its rows' softmax (``reference.dense_math``); with sinks the lse includes them and
 a row with every key masked has lse = sink. ``dropout_seed``: None, or with
 ``kernel_options``' internal DROPOUT_P > 0 the call's (2,) int64 seed (key, stream) of
-the keep mask (``reference.dropout_keep``); the backward operator takes the same seed
+the keep mask (``numerics.dropout_keep``); the backward operator takes the same seed
 and regenerates the mask.
 """
 
@@ -47,7 +47,8 @@ from . import _compat
 from ._compat import DispatchKey, FakeTensorMode, ProxyTorchDispatchMode, pytree
 from ._mask_tuple import BlockMaskView
 from . import options as _options
-from .reference import Dropout, IndexWithTensors, dense_math, sink_rows, stats_dtype
+from .numerics import Dropout, IndexWithTensors, sink_rows, stats_dtype
+from .reference import dense_math
 
 #: The error of a call that needs a backward with a mask built without the transposed lists.
 NO_Q_BLOCKS_ERROR = (

@@ -34,6 +34,7 @@ from . import _compat
 from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, call_dropout, flex_attention_hop, identity_score_mod
 from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, noop_mask, sliced_mask_mod, tile_for_call
+from .cpu import uses_engine
 from .mod_signature import required_positional_count
 from .reference import attention_probabilities, dense_math
 
@@ -55,7 +56,7 @@ def _code_version() -> str:
     """
     root = pathlib.Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted([*root.rglob("*.py"), *root.glob("templates/*.jinja")]):
+    for path in sorted(p for suffix in ("*.py", "*.jinja", "*.cpp", "*.h") for p in root.rglob(suffix)):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -269,11 +270,6 @@ def _call_hop(query, key, value, score_mod, block_mask_tuple, scale, kernel_opti
                               dropout_seed=dropout_seed)
 
 
-def _cpu_engine(device: torch.device) -> bool:
-    """Whether a call on ``device`` runs the C++ CPU engine (not Triton kernels)."""
-    return device.type == "cpu" and _compat.inductor_cpu_backend() != "triton"
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled_hop(dynamic: bool | None) -> Callable:
     return torch.compile(_call_hop, backend="inductor", fullgraph=True, dynamic=dynamic)
@@ -304,7 +300,7 @@ def _run_eagerly(query, key, value, score_mod, block_mask_tuple, scale, kernel_o
         # Plain autograd through the math: tensors the mods close over get their gradients.
         return dense_math(query, key, value, score_mod, block_mask_tuple, scale, (), (), sinks,
                           call_dropout(kernel_options, dropout_seed))
-    compiled = _compiled_hop(None if _cpu_engine(query.device) else False)
+    compiled = _compiled_hop(None if uses_engine(query.device) else False)
     timed = log.isEnabledFor(logging.INFO)
     if timed:
         graphs, started = _compat.compiled_graph_count(), time.perf_counter()
@@ -447,7 +443,7 @@ def flex_attention(
                                              **({"DROPOUT_P": dropout_p} if dropout_p else {})))
     if return_aux is not None and return_aux.probabilities:
         _check_probabilities_size(query, key)
-    # Two int64 draws, [0, 2**62): the Philox key and its stream (reference.dropout_keep).
+    # Two int64 draws, [0, 2**62): the Philox key and its stream (numerics.dropout_keep).
     seed = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=query.device) if dropout_p else None
 
     args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)

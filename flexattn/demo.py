@@ -17,7 +17,8 @@ import time
 import torch
 
 import flexattn
-from flexattn import _compat, mods
+from flexattn import mods
+from flexattn.cpu import uses_engine
 
 
 def _time_ms(fn, device: str, reps: int) -> float:
@@ -67,7 +68,7 @@ def _path_measured(device: str) -> str:
     """Which implementation the demo's flexattn calls run on this device."""
     if device == "cuda":
         return "flexattn's fused Triton kernels on the GPU"
-    if _compat.inductor_cpu_backend() == "triton":
+    if not uses_engine(torch.device(device)):
         return "flexattn's Triton kernels in Triton's CPU interpreter (slow; for testing)"
     return ("flexattn's C++ CPU flash kernels (block-sparse tiles, the mods compiled in; the first call "
             "builds the engine once per machine, about 20 s)")

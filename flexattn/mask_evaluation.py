@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .block_tables import cdiv
 from .mod_signature import MaskMod, mod_name
-from .reference import IndexWithTensors, vmap_over_bhmn
+from .numerics import IndexWithTensors, vmap_over_bhmn
 
 
 def evaluate_mod(

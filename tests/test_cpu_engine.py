@@ -1,4 +1,4 @@
-"""The C++ CPU engine itself (Inductor's C++ backend; flexattn/lowering/cpu_flash.py).
+"""The C++ CPU engine itself (Inductor's C++ backend; flexattn/cpu/).
 
 The numerics matrix (test_forward, test_backward, test_sinks, test_dropout,
 test_random_mods, test_training, test_dynamic) runs on this path too (the
@@ -22,7 +22,7 @@ from torch._inductor.utils import run_and_get_code
 import flexattn
 from flexattn import AuxRequest, mods
 from flexattn.block_mask import create_block_mask
-from flexattn.lowering.configs import cpu as cpu_configs
+from flexattn.cpu import plan as cpu_plan
 from flexattn.reference import dense_math
 
 import _harness as harness
@@ -138,13 +138,13 @@ def test_query_blocks_with_the_same_lists_share_a_tile(mask_name):
 
 
 def test_plan():
-    plan = cpu_configs.plan
-    inputs = cpu_configs.CpuPlanInputs
-    assert plan(inputs(128, 128)) == cpu_configs.CpuPlan(q_tile=256, kv_tile=512)
-    assert plan(inputs(16, 16)) == cpu_configs.CpuPlan(q_tile=256, kv_tile=512)
-    assert plan(inputs(100, 64)) == cpu_configs.CpuPlan(q_tile=200, kv_tile=512)
-    assert plan(inputs(512, 96)) == cpu_configs.CpuPlan(q_tile=256, kv_tile=480)
-    assert plan(inputs(300, 1024)) == cpu_configs.CpuPlan(q_tile=150, kv_tile=512)
+    plan = cpu_plan.plan
+    inputs = cpu_plan.CpuPlanInputs
+    assert plan(inputs(128, 128)) == cpu_plan.CpuPlan(q_tile=256, kv_tile=512)
+    assert plan(inputs(16, 16)) == cpu_plan.CpuPlan(q_tile=256, kv_tile=512)
+    assert plan(inputs(100, 64)) == cpu_plan.CpuPlan(q_tile=200, kv_tile=512)
+    assert plan(inputs(512, 96)) == cpu_plan.CpuPlan(q_tile=256, kv_tile=480)
+    assert plan(inputs(300, 1024)) == cpu_plan.CpuPlan(q_tile=150, kv_tile=512)
 
 
 # --------------------------------------------------------------------------------------

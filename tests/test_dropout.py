@@ -1,7 +1,7 @@
 """Attention dropout inside the fused kernels.
 
 The keep mask is a pure function of the call's seed and each entry's position
-(``reference.dropout_keep``, Philox-4x32): checked against the generator's published
+(``numerics.dropout_keep``, Philox-4x32): checked against the generator's published
 known answers and for its keep rate. The kernels (forward, backward, through
 torch.compile and the eager API; on the CPU both kernel paths) are checked against the dense
 reference given the same mask, read off ``AuxRequest(probabilities=True)``, with the
@@ -20,7 +20,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import flexattn
 from flexattn import AuxRequest, create_block_mask, mods
-from flexattn.reference import Dropout, dense_math, dropout_draw_slots, dropout_keep, dropout_threshold, philox_4x32
+from flexattn.numerics import Dropout, dropout_draw_slots, dropout_keep, dropout_threshold, philox_4x32
+from flexattn.reference import dense_math
 
 import _harness as harness
 from conftest import DEVICE

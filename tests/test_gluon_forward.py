@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.util
 import re
 
 import pytest

@@ -1,7 +1,8 @@
 """The package's shape: no import circle inside flexattn, no kernel lowering importing
-another, no module over 700 lines, no private name of one flexattn module used by another,
-no history notes (session numbers, dates, run ids) in the package, the docs or the README,
-and no stale imports of it in the scripts, benchmarks and examples."""
+another, no kernel code importing the test oracle (flexattn.reference), no module or C++
+source over 700 lines, no private name of one flexattn module used by another, no history
+notes (session numbers, dates, run ids) in the package, the docs or the README, and no
+stale imports of it in the scripts, benchmarks and examples."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "flexattn"
 KERNEL_LOWERINGS = {"flexattn.lowering.forward", "flexattn.lowering.backward", "flexattn.lowering.decode",
-                    "flexattn.lowering.gluon_forward", "flexattn.lowering.cpu_flash"}
+                    "flexattn.lowering.gluon_forward", "flexattn.cpu.lowering"}
 MAX_LINES = 700
+#: The package's sources (Python, C++, Jinja templates), every one held to MAX_LINES.
+SOURCE_SUFFIXES = ("*.py", "*.cpp", "*.h", "*.jinja")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -86,10 +89,28 @@ def test_no_kernel_lowering_imports_another():
         assert not others, f"{module} imports {sorted(others)}"
 
 
+#: Kernel code: the Inductor lowerings, the CPU engine's package and the templates' Python.
+KERNEL_CODE = ("flexattn.lowering", "flexattn.cpu", "flexattn.templates")
+ORACLE = "flexattn.reference"
+
+
+def test_no_kernel_code_imports_the_oracle():
+    """The dense reference is the test oracle: kernels take what they share with it
+    (statistics dtype, dropout's keep mask, ...) from flexattn.numerics, so an edit to
+    the oracle cannot change a kernel."""
+    graph = _graph()
+    kernel_modules = [m for m in graph if any(m == p or m.startswith(p + ".") for p in KERNEL_CODE)]
+    assert "flexattn.lowering.forward" in kernel_modules
+    offenders = sorted(m for m in kernel_modules if ORACLE in graph[m])
+    assert not offenders, f"kernel code importing {ORACLE}: {offenders}"
+
+
 def test_module_lengths():
-    for path in PACKAGE.rglob("*.py"):
-        lines = len(path.read_text().splitlines())
-        assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines"
+    paths = [p for suffix in SOURCE_SUFFIXES for p in PACKAGE.rglob(suffix)]
+    assert any(p.suffix == ".cpp" for p in paths) and any(p.suffix == ".h" for p in paths)
+    too_long = [f"{p.relative_to(ROOT)} has {n} lines" for p in paths
+                if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not too_long, "\n".join(too_long)
 
 
 HISTORY = re.compile(r"\bsessions? \d+\b|\bround \d+\b|\b20\d\d-\d\d-\d\d\b|\b20\d{6}-\d{6}\b", re.I)
@@ -98,7 +119,8 @@ RESULT_FILE = re.compile(r"[\w./-]*\.(json|md|png)\b")
 
 
 def test_no_history_notes():
-    paths = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.jinja"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    paths = [*(p for suffix in SOURCE_SUFFIXES for p in PACKAGE.rglob(suffix)), *(ROOT / "docs").rglob("*.md"),
+             ROOT / "README.md"]
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in paths
             for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(RESULT_FILE.sub("", line))]
     assert not hits, "history notes belong in bench/DECISIONS.md:\n" + "\n".join(hits)
@@ -107,8 +129,9 @@ def test_no_history_notes():
 def test_decision_records_cited_exist():
     """Every bench/DECISIONS.md#id that code, docs or the README points to is a row there."""
     decisions = (ROOT / "bench" / "DECISIONS.md").read_text()
-    paths = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.jinja"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md",
-             *(ROOT / "bench").rglob("*.py"), *(p for p in (ROOT / "tests").rglob("*.py") if p.name != Path(__file__).name)]
+    paths = [*(p for suffix in SOURCE_SUFFIXES for p in PACKAGE.rglob(suffix)), *(ROOT / "docs").rglob("*.md"),
+             ROOT / "README.md", *(ROOT / "bench").rglob("*.py"),
+             *(p for p in (ROOT / "tests").rglob("*.py") if p.name != Path(__file__).name)]
     cited = {(p.relative_to(ROOT), anchor) for p in paths
              for anchor in re.findall(r"DECISIONS\.md#([a-z0-9-]+)", p.read_text())}
     missing = sorted(f"{path}: {anchor}" for path, anchor in cited if f'id="{anchor}"' not in decisions)

@@ -1,8 +1,9 @@
 """Which tiles should the CPU engine use? Query tile rows x KV span keys, on the CPU.
 
-Each plan is forced on the lowering (``configs.cpu.plan`` patched), the call compiled
-afresh and timed in rounds taken in turn: B=1 H=8 D=64 float32 forward at S=4096,
-causal and document (8 docs) masks with 128-blocks, and the causal forward+backward.
+Each plan is forced on the lowering (``flexattn.cpu.plan.plan`` patched), the call
+compiled afresh and timed in rounds taken in turn: B=1 H=8 D=64 float32 forward at
+S=4096, causal and document (8 docs) masks with 128-blocks, and the causal
+forward+backward.
 The forward merges query blocks with the same KV list (a document's) up to the plan's query
 tile, so 256 rows are a plan too; spans of 128, 256 or 512 keys (512 is also the longest
 row a mod function takes).
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_cpu  # noqa: E402
-from flexattn.lowering.configs import cpu as cpu_configs  # noqa: E402
+from flexattn.cpu import plan as cpu_plan  # noqa: E402
 
 PLANS = [(q, kv) for q in (64, 128) for kv in (128, 256, 512)]
 
@@ -39,18 +40,18 @@ def main() -> None:
     args = parser.parse_args()
     plans = [tuple(map(int, p.split("x"))) for p in args.plans.split(",")] if args.plans else PLANS
     dtype = getattr(torch, args.dtype)
-    original = cpu_configs.plan
+    original = cpu_plan.plan
     cases = [tuple(c.split("/")) for c in args.cases.split(",")]
     times = {(c, p): [] for c in cases for p in plans}
     calls = {}
     for plan in plans:
-        cpu_configs.plan = lambda inputs, plan=plan: cpu_configs.CpuPlan(q_tile=plan[0], kv_tile=plan[1])
+        cpu_plan.plan = lambda inputs, plan=plan: cpu_plan.CpuPlan(q_tile=plan[0], kv_tile=plan[1])
         for variant, mode in cases:
             torch._dynamo.reset()
             fn = bench_cpu.make_call("flexattn", variant, args.length, dtype, mode == "fwdbwd")
             fn()
             calls[(variant, mode), plan] = fn
-    cpu_configs.plan = original
+    cpu_plan.plan = original
     for _ in range(args.rounds):
         for key, fn in calls.items():
             times[key].append(bench_cpu.time_ms(fn, 2))

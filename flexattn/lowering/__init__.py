@@ -10,8 +10,9 @@
   specialisations, template choices, the chosen-config report);
 * ``subgraph``: score_mod / mask_mod graphs to the IR a template inlines;
   ``buffer_grads``: the captured tensors' gradients as backward subgraphs;
-* ``configs/``: the tile-configuration tables, one per kernel and GPU generation;
-* ``dense``: the CPU path when Inductor's CPU backend is not Triton.
+* ``configs/``: the tile-configuration tables, one per kernel and GPU generation.
+
+The C++ CPU engine's lowering lives with the engine, in ``flexattn/cpu/lowering.py``.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from torch._inductor.virtualized import V
 from .. import _compat
 from .. import options as _options
 from .._hop import buffers_with_grad
-from ..reference import stats_dtype
+from ..numerics import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, plan_buffer_grads

@@ -33,7 +33,7 @@ from .. import _compat
 from .. import options as _options
 from .._mask_tuple import BlockMaskView
 from ..block_tables import KV_TABLE_FIELDS, Q_TABLE_FIELDS
-from ..reference import dropout_scale, dropout_threshold, stats_dtype
+from ..numerics import dropout_scale, dropout_threshold, stats_dtype
 from .configs.tma import tma_by_default
 from .subgraph import (
     MASK_MOD_ARGS,
@@ -184,7 +184,7 @@ def seed_for_kernel(dropout_seed, device):
 
 def dropout_specialisations(kernel_options) -> dict[str, Any]:
     """HAS_DROPOUT, DROPOUT_THRESHOLD and DROPOUT_SCALE from the call's dropout_p (the
-    internal DROPOUT_P option; the keep mask as ``reference.dropout_keep`` draws it)."""
+    internal DROPOUT_P option; the keep mask as ``numerics.dropout_keep`` draws it)."""
     p = float(_options.read_internal(kernel_options, "DROPOUT_P"))
     return {"HAS_DROPOUT": p > 0, "DROPOUT_THRESHOLD": dropout_threshold(p), "DROPOUT_SCALE": dropout_scale(p)}
 

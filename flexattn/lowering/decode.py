@@ -29,7 +29,7 @@ from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
 from torch.utils._sympy.functions import FloorDiv
 
 from .. import _compat
-from ..reference import stats_dtype
+from ..numerics import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .configs.base import gpu_generation, shared_memory_limit

@@ -15,7 +15,7 @@ from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn
 
 from .. import _compat
-from ..reference import stats_dtype
+from ..numerics import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .configs import gluon_forward as gluon_configs

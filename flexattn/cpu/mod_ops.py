@@ -1,5 +1,5 @@
 """Inductor's ``ops`` -> C++ text: the ops handler that records one function of a CPU
-mod library (``cpp_mods.py`` says how the statements become loops).
+mod library (``mod_library.py`` says how the statements become loops).
 
 ``RowEmitter`` answers each op Inductor's IR calls with a ``Val``: a C++ name (or a
 constant's literal), its dtype, and whether it varies along the row of keys (it reads
@@ -23,7 +23,7 @@ import torch
 from torch._inductor.codegen.cpp_utils import cexpr
 from torch._inductor.virtualized import OpsValue, V
 
-from .. import cpu_abi
+from . import abi
 
 #: C types of the values a mod computes (float16 and bfloat16 are carried in float and
 #: rounded where the IR converts to them).
@@ -35,8 +35,8 @@ _CTYPES = {
 #: C types of captured tensors' elements in memory.
 STORAGE = {**_CTYPES, torch.bool: "uint8_t", torch.float16: "uint16_t", torch.bfloat16: "uint16_t"}
 
-_UNARY_MATH = {name for name, _ in cpu_abi.UNARY_MATH}
-_BINARY_MATH = {name for name, _ in cpu_abi.BINARY_MATH}
+_UNARY_MATH = {name for name, _ in abi.UNARY_MATH}
+_BINARY_MATH = {name for name, _ in abi.BINARY_MATH}
 
 
 class CppModError(RuntimeError):

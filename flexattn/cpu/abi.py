@@ -1,13 +1,14 @@
 """The C interface between flexattn's Python side and its C++ CPU kernels, in one place.
 
-The CPU attention kernels are two shared libraries compiled at first use (see
-``cpu_kernels.py``): the *engine* (``templates/cpu_flash.cpp.jinja``: the tile loops,
-matrix products, softmax, dropout; one build per machine) and, per score_mod/mask_mod,
-a *mod library* (``templates/cpu_mods.cpp.jinja`` around the code that
-``lowering/cpp_mods.py`` generates). Python fills one ``CallArgs`` struct per call and
-hands it to the engine, which calls the mod library through the function pointers in
-it. The C declarations of the structs below are generated from these field lists
-(``c_declarations``), so the two sides cannot drift apart.
+The CPU attention kernels are two shared libraries compiled at first use (``build.py``):
+the *engine* (``csrc/engine.cpp`` and the headers it includes: the tile loops, matrix
+products, softmax, dropout; one build per machine) and, per score_mod/mask_mod, a *mod
+library* (``csrc/mods.cpp.jinja`` around the code that ``mod_library.py`` generates).
+Python fills one ``CallArgs`` struct per call and hands it to the engine, which calls the
+mod library through the function pointers in it. The C declarations of the structs below,
+and the list of the math table's functions, are generated from these field lists
+(``generated_header``, the sources' ``abi_generated.h``), so the two sides cannot drift
+apart.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ CALL_FIELDS = (
     ("dropout_threshold", ctypes.c_int64),                   # 0: no dropout
     ("dropout_scale", ctypes.c_double),
     ("seed_key", ctypes.c_uint64), ("seed_stream", ctypes.c_uint64),
-    # The plan (lowering/configs/cpu.py).
+    # The plan (plan.py).
     ("q_tile", ctypes.c_int64), ("kv_tile", ctypes.c_int64), ("threads", ctypes.c_int64),
     ("deterministic", ctypes.c_int64),                       # 1: static schedule, ordered sums
     # The mods: function pointers of the mod library (null: identity score_mod, mask
@@ -96,7 +97,7 @@ CALL_FIELDS = (
     ("grad_q", ctypes.c_void_p), ("grad_q_strides", I64x4),
     ("grad_k", ctypes.c_void_p), ("grad_k_strides", I64x4),
     ("grad_v", ctypes.c_void_p), ("grad_v_strides", I64x4),
-    # BLAS: the Fortran sgemm_ / dgemm_ torch links (cpu_kernels.blas_symbols).
+    # BLAS: the Fortran sgemm_ / dgemm_ torch links (build.blas_symbols).
     ("sgemm", ctypes.c_void_p), ("dgemm", ctypes.c_void_p),
 )
 
@@ -134,11 +135,23 @@ def c_declarations() -> str:
                         _c_struct("FaMath", _math_table())])
 
 
-def common_header() -> str:
-    """The head both CPU libraries start with (``templates/cpu_common.h.jinja``)."""
-    from .templates import render_cpp
+def _x_macro(name: str, entries: Sequence[str]) -> str:
+    return f"#define {name}(X)" + "".join(f" \\\n  X({e})" for e in entries)
 
-    return render_cpp("cpu_common.h", MAX_ROW=MAX_ROW, DECLARATIONS=c_declarations())
+
+def generated_header() -> str:
+    """``abi_generated.h``: FA_MAX_ROW, the structs (``c_declarations``) and the X-macros
+    listing the math table's functions (FA_MATH: every name; FA_UNARY_VEC_MATH and
+    FA_BINARY_VEC_MATH: (name, ``at::vec`` method); FA_UNARY_STD_MATH and
+    FA_BINARY_STD_MATH: the names computed by a loop of the ``std::`` function)."""
+    macros = [
+        _x_macro("FA_MATH", [name for name, _ in UNARY_MATH + BINARY_MATH]),
+        _x_macro("FA_UNARY_VEC_MATH", [f"{name}, {method}" for name, method in UNARY_MATH if method]),
+        _x_macro("FA_UNARY_STD_MATH", [name for name, method in UNARY_MATH if not method]),
+        _x_macro("FA_BINARY_VEC_MATH", [f"{name}, {method}" for name, method in BINARY_MATH if method]),
+        _x_macro("FA_BINARY_STD_MATH", [name for name, method in BINARY_MATH if not method]),
+    ]
+    return "\n\n".join([f"#define FA_MAX_ROW {MAX_ROW}", c_declarations(), *macros]) + "\n"
 
 
 _STRIDE_ARRAYS = {n: ctypes.c_int64 * n for n in range(1, 5)}

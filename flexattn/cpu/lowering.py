@@ -1,16 +1,16 @@
-"""Lowering of CPU calls onto flexattn's C++ CPU engine (when Inductor's CPU backend is
-C++, its default).
+"""Lowering of CPU calls onto flexattn's C++ CPU engine (the calls ``uses_engine`` in
+``flexattn/cpu/__init__.py`` gives it).
 
-Forward and backward are one extern call each, of the operators in ``cpu_kernels.py``:
+Forward and backward are one extern call each, of the operators in ``ops.py``:
 
-1. The call is prepared as for the Triton kernels (``common.prepare_call``): q, k, v and
-   the block tables realized and broadcast to the query's batch and heads, the mods
-   lowered to Inductor IR.
-2. ``cpp_mods.ModLibrary`` renders the mods' IR as the C++ of the call's mod library:
+1. The call is prepared as for the Triton kernels (``prepare_call`` of
+   ``lowering/common.py``): q, k, v and the block tables realized and broadcast to the
+   query's batch and heads, the mods lowered to Inductor IR.
+2. ``mod_library.ModLibrary`` renders the mods' IR as the C++ of the call's mod library:
    score_mod (unless it is the identity), mask_mod (unless it is constant true) and, for
    the backward, score_mod's joint graph with the scatters of the captured tensors'
    gradients (``buffer_grads.scatter_terms``).
-3. The plan (``configs/cpu.py``) and the call's constants travel as a JSON string; the
+3. The plan (``plan.py``) and the call's constants travel as a JSON string; the
    captured tensors the library reads and the symbolic sizes its indexing uses are
    operator inputs, so the same graph serves every shape.
 
@@ -31,15 +31,17 @@ from torch._inductor import ir
 from torch._inductor.lowering import fallback_handler, lowerings, to_dtype
 from torch._inductor.virtualized import V
 
-from .. import cpu_kernels  # noqa: F401 - defines the operators the calls below emit
-from .._hop import buffers_with_grad
-from ..reference import dropout_scale, dropout_threshold, stats_dtype
 from .. import options as _options
-from . import common
-from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, scalar_loader, scatter_terms
-from .configs import cpu as cpu_configs
-from .cpp_mods import GradTerm, ModLibrary
-from .subgraph import build_mod_buffer
+from .._hop import buffers_with_grad
+from ..lowering.buffer_grads import (JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, scalar_loader,
+                                     scatter_terms)
+from ..lowering.common import (PreparedCall, as_tensor_boxes, deterministic_requested, nonzero_or_none, prepare_call,
+                               realize_fixed, sinks_for_kernel)
+from ..lowering.subgraph import build_mod_buffer
+from ..numerics import dropout_scale, dropout_threshold, stats_dtype
+from . import ops  # noqa: F401 - defines the operators the calls below emit
+from . import plan as cpu_plan
+from .mod_library import GradTerm, ModLibrary
 
 aten = torch.ops.aten
 
@@ -59,9 +61,9 @@ def _same_dtype_kv(query, key, value):
     return key, value
 
 
-def _plan_json(call: common.PreparedCall, scale: float, kernel_options: dict, library_flags: dict,
+def _plan_json(call: PreparedCall, scale: float, kernel_options: dict, library_flags: dict,
                **extra: Any) -> str:
-    plan = cpu_configs.plan(cpu_configs.CpuPlanInputs(q_block=call.sparse_q, kv_block=call.sparse_kv))
+    plan = cpu_plan.plan(cpu_plan.CpuPlanInputs(q_block=call.sparse_q, kv_block=call.sparse_kv))
     p = float(_options.read_internal(kernel_options, "DROPOUT_P"))
     return json.dumps({"q_block": call.sparse_q, "kv_block": call.sparse_kv, "q_tile": plan.q_tile,
                        "kv_tile": plan.kv_tile, "scale": float(scale),
@@ -70,14 +72,14 @@ def _plan_json(call: common.PreparedCall, scale: float, kernel_options: dict, li
                       sort_keys=True)
 
 
-def _full_tables(call: common.PreparedCall) -> tuple:
+def _full_tables(call: PreparedCall) -> tuple:
     tables = call.tables
     if not call.has_full_blocks:
         return None, None
     return tables.full_kv_num_blocks, tables.full_kv_indices
 
 
-def _mods(call: common.PreparedCall, dtype: torch.dtype) -> tuple[ModLibrary, dict]:
+def _mods(call: PreparedCall, dtype: torch.dtype) -> tuple[ModLibrary, dict]:
     """The library with score_mod and mask_mod, and which of the two it holds."""
     library = ModLibrary(stats_dtype(dtype))
     flags = {"score": bool(call.has_score_mod), "mask": False}
@@ -93,12 +95,12 @@ def lower_cpu_forward(query, key, value, score_mod, block_mask, scale, kernel_op
     kernel_options = dict(kernel_options or {})
     dtype = query.get_dtype()
     key, value = _same_dtype_kv(query, key, value)
-    call = common.prepare_call(query, key, value, score_mod, block_mask, kernel_options, score_mod_buffers,
+    call = prepare_call(query, key, value, score_mod, block_mask, kernel_options, score_mod_buffers,
                                mask_mod_buffers)
     library, flags = _mods(call, dtype)
     full_num, full_idx = _full_tables(call)
-    kernel_sinks = common.sinks_for_kernel(sinks, call.query) if sinks is not None else None
-    seed = common.realize_fixed(dropout_seed) if dropout_seed is not None else None
+    kernel_sinks = sinks_for_kernel(sinks, call.query) if sinks is not None else None
+    seed = realize_fixed(dropout_seed) if dropout_seed is not None else None
     outputs = fallback_handler(torch.ops.flexattn.cpu_flash_forward.default, add_to_fallback_set=False)(
         call.query, call.key, call.value, call.tables.kv_num_blocks, call.tables.kv_indices, full_num, full_idx,
         kernel_sinks, seed, [_whole_buffer(n) for n in library.buffers], list(library.symbols),
@@ -118,13 +120,13 @@ def lower_cpu_backward(query, key, value, out, logsumexp, grad_out, grad_logsume
                          f"key.dtype={key.get_dtype()}, and value.dtype={value.get_dtype()}")
     B = query.get_size()[0]
     Bkv = key.get_size()[0]
-    call = common.prepare_call(query, key, value, fw_graph, block_mask, kernel_options, score_mod_buffers,
+    call = prepare_call(query, key, value, fw_graph, block_mask, kernel_options, score_mod_buffers,
                                mask_mod_buffers)
     library, flags = _mods(call, dtype)
 
     joint_gm = joint_graph.graph_module
     wants = buffers_with_grad(joint_gm, len(score_mod_buffers))
-    captured = common.as_tensor_boxes(call.score_mod_buffers)
+    captured = as_tensor_boxes(call.score_mod_buffers)
     terms: list[GradTerm] = []
     grad_shapes: list[list] = []
     for i, (buf, want, node) in enumerate(zip(call.score_mod_buffers, wants, joint_outputs(joint_gm)[1:])):
@@ -148,13 +150,13 @@ def lower_cpu_backward(query, key, value, out, logsumexp, grad_out, grad_logsume
         library.add_joint(grad_score, terms, dtype)
 
     full_num, full_idx = _full_tables(call)
-    seed = common.realize_fixed(dropout_seed) if dropout_seed is not None else None
+    seed = realize_fixed(dropout_seed) if dropout_seed is not None else None
     plan = _plan_json(call, scale, kernel_options, flags, grad_ranks=[len(s) for s in grad_shapes],
-                      deterministic=common.deterministic_requested(kernel_options))
+                      deterministic=deterministic_requested(kernel_options))
     grad_query, grad_key, grad_value, grads = fallback_handler(
         torch.ops.flexattn.cpu_flash_backward.default, add_to_fallback_set=False)(
         call.query, call.key, call.value, out, logsumexp, grad_out,
-        common.nonzero_or_none(grad_logsumexp), call.tables.kv_num_blocks, call.tables.kv_indices, full_num, full_idx, seed,
+        nonzero_or_none(grad_logsumexp), call.tables.kv_num_blocks, call.tables.kv_indices, full_num, full_idx, seed,
         [_whole_buffer(n) for n in library.buffers], list(library.symbols),
         [s for shape in grad_shapes for s in shape], library.source() if library.exports else "", plan)
 

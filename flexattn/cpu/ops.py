@@ -1,17 +1,12 @@
-"""The runtime of flexattn's CPU attention: the two operators the CPU lowering
-(``lowering/cpu_flash.py``) emits, and the C++ libraries they run.
+"""The two operators flexattn's CPU lowering (``lowering.py``) emits, which run the C++
+engine.
 
 ``flexattn::cpu_flash_forward`` and ``flexattn::cpu_flash_backward`` take the call's
 tensors, its block tables, the tensors its mods capture, the values of the symbolic
 sizes the mods' indexing uses, the C++ source of its mod library and its plan (a JSON
-object, ``lowering/configs/cpu.py``). They allocate the outputs and hand one
-``cpu_abi.CallArgs`` to the engine (``templates/cpu_flash.cpp.jinja``), which runs the
-tile loops and calls the mod library through function pointers.
-
-Both libraries are compiled on first use by the compiler Inductor uses for its own C++
-kernels and cached on disk by source: the engine once per machine, a mod library once
-per distinct score_mod/mask_mod/dtype (a fraction of a second). Sizes are run-time
-arguments, so a new shape compiles nothing here.
+object, ``plan.py``). They allocate the outputs and hand one ``abi.CallArgs`` to the
+engine (``csrc/engine.cpp``), which runs the tile loops and calls the mod library
+through function pointers. The libraries come from ``build.py``.
 """
 
 from __future__ import annotations
@@ -19,91 +14,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
-import os
-import sys
-import threading
 from typing import Any, Sequence
 
 import torch
 
-from . import _compat, cpu_abi
-from ._hop import output_strides
-from .reference import stats_dtype
-from .templates import render_cpp
+from .._hop import output_strides
+from ..numerics import stats_dtype
+from . import abi
+from .build import CpuKernelError, blas_symbols, engine, mod_library
 
 #: Engine return codes.
 _ENGINE_ERRORS = {1: "an internal error", 2: "an unsupported dtype", 3: "running out of memory"}
-
-
-class CpuKernelError(RuntimeError):
-    """flexattn's CPU kernels could not be built or run."""
-
-
-@functools.lru_cache(maxsize=None)
-def engine() -> ctypes.CDLL:
-    """The engine library (compiled on first use, then cached on disk)."""
-    source = render_cpp("cpu_flash.cpp", COMMON=cpu_abi.common_header(), UNARY_MATH=cpu_abi.UNARY_MATH,
-                        BINARY_MATH=cpu_abi.BINARY_MATH)
-    try:
-        lib = _compat.load_cpp_library(source)
-    except Exception as error:  # noqa: BLE001 - re-raised with what failed
-        raise CpuKernelError(f"flexattn: could not compile its CPU attention engine with Inductor's C++ "
-                             f"compiler: {error}") from error
-    for name in ("fa_forward", "fa_backward"):
-        getattr(lib, name).argtypes = [ctypes.c_void_p]
-        getattr(lib, name).restype = ctypes.c_int
-    lib.fa_math.restype = ctypes.c_void_p
-    return lib
-
-
-_mod_lock = threading.Lock()
-_mod_libraries: dict[str, tuple[Any, int | None, int | None, int | None]] = {}
-
-
-def mod_library(source: str) -> tuple[Any, int | None, int | None, int | None]:
-    """(library, fa_score, fa_mask, fa_joint addresses or None) of a mod library source."""
-    found = _mod_libraries.get(source)
-    if found is not None:
-        return found
-    with _mod_lock:
-        if source not in _mod_libraries:
-            try:
-                lib = _compat.load_cpp_library(source)
-            except Exception as error:  # noqa: BLE001 - re-raised with what failed
-                raise CpuKernelError(f"flexattn: could not compile the C++ of this call's score_mod/mask_mod: "
-                                     f"{error}") from error
-            addresses = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value if hasattr(lib, name) else None
-                         for name in ("fa_score", "fa_mask", "fa_joint")]
-            _mod_libraries[source] = (lib, *addresses)
-    return _mod_libraries[source]
-
-
-def _torch_libraries() -> list[str]:
-    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    names = {"linux": ["libtorch_cpu.so"], "darwin": ["libtorch_cpu.dylib"], "win32": ["torch_cpu.dll"]}
-    return [os.path.join(lib_dir, n) for n in names.get(sys.platform, ["libtorch_cpu.so"])]
-
-
-@functools.lru_cache(maxsize=None)
-def blas_symbols() -> tuple[int, int]:
-    """Addresses of the Fortran BLAS ``sgemm_`` and ``dgemm_`` that torch links (MKL in
-    torch's x86-64 wheels, OpenBLAS or Accelerate elsewhere)."""
-    handles = []
-    for path in _torch_libraries():
-        if os.path.exists(path):
-            handles.append(ctypes.CDLL(path))
-    handles.append(ctypes.CDLL(None))
-    found = []
-    for name in ("sgemm_", "dgemm_"):
-        for handle in handles:
-            if hasattr(handle, name):
-                found.append(ctypes.cast(getattr(handle, name), ctypes.c_void_p).value)
-                break
-        else:
-            raise CpuKernelError(f"flexattn: its CPU kernels multiply tiles with the BLAS routine {name} that "
-                                 "torch links, and this torch build exports none (torch.__config__.show() "
-                                 "says which BLAS it uses)")
-    return found[0], found[1]
 
 
 @functools.lru_cache(maxsize=256)
@@ -119,11 +40,11 @@ def _pointer_array(tensors: Sequence[torch.Tensor]):
 
 
 @functools.lru_cache(maxsize=256)
-def _prototype(plan: str, mods: str) -> tuple[dict[str, Any], cpu_abi.CallArgs, int]:
+def _prototype(plan: str, mods: str) -> tuple[dict[str, Any], abi.CallArgs, int]:
     """(plan dict, the CallArgs fields that depend only on the plan and the mods, the math
     table's address): built once per compiled call, copied per run."""
     plan_dict = parse_plan(plan)
-    args = cpu_abi.CallArgs()
+    args = abi.CallArgs()
     args.q_block, args.kv_block = plan_dict["q_block"], plan_dict["kv_block"]
     args.q_tile, args.kv_tile = plan_dict["q_tile"], plan_dict["kv_tile"]
     args.scale = plan_dict["scale"]
@@ -138,27 +59,27 @@ def _prototype(plan: str, mods: str) -> tuple[dict[str, Any], cpu_abi.CallArgs, 
 
 
 def _call_args(plan: str, query, key, value, kv_num, kv_idx, full_num, full_idx, buffers, symbols, mods,
-               keep_alive: list) -> tuple[dict[str, Any], cpu_abi.CallArgs]:
+               keep_alive: list) -> tuple[dict[str, Any], abi.CallArgs]:
     """The plan's dict and the CallArgs fields that forward and backward share."""
     plan_dict, prototype, math = _prototype(plan, mods)
-    args = cpu_abi.CallArgs.from_buffer_copy(prototype)
+    args = abi.CallArgs.from_buffer_copy(prototype)
     B, Hq, L, E = query.shape
-    args.dtype = cpu_abi.DTYPE_CODES[query.dtype]
+    args.dtype = abi.DTYPE_CODES[query.dtype]
     args.B, args.Hq, args.Hkv, args.L, args.S, args.E, args.Ev = B, Hq, key.shape[1], L, key.shape[2], E, value.shape[-1]
-    args.q, args.q_strides = cpu_abi.data(query), cpu_abi.strides(query, 4)
-    args.k, args.k_strides = cpu_abi.data(key), cpu_abi.strides(key, 4)
-    args.v, args.v_strides = cpu_abi.data(value), cpu_abi.strides(value, 4)
+    args.q, args.q_strides = abi.data(query), abi.strides(query, 4)
+    args.k, args.k_strides = abi.data(key), abi.strides(key, 4)
+    args.v, args.v_strides = abi.data(value), abi.strides(value, 4)
     if _present(kv_num, kv_idx):
-        args.kv_num, args.kv_num_strides = kv_num.data_ptr(), cpu_abi.strides(kv_num, 3)
-        args.kv_idx, args.kv_idx_strides = kv_idx.data_ptr(), cpu_abi.strides(kv_idx, 4)
+        args.kv_num, args.kv_num_strides = kv_num.data_ptr(), abi.strides(kv_num, 3)
+        args.kv_idx, args.kv_idx_strides = kv_idx.data_ptr(), abi.strides(kv_idx, 4)
         args.kv_idx_width = kv_idx.shape[-1]
     if _present(full_num, full_idx):
-        args.full_num, args.full_num_strides = full_num.data_ptr(), cpu_abi.strides(full_num, 3)
-        args.full_idx, args.full_idx_strides = full_idx.data_ptr(), cpu_abi.strides(full_idx, 4)
+        args.full_num, args.full_num_strides = full_num.data_ptr(), abi.strides(full_num, 3)
+        args.full_idx, args.full_idx_strides = full_idx.data_ptr(), abi.strides(full_idx, 4)
         args.full_idx_width = full_idx.shape[-1]
     args.threads = torch.get_num_threads()
 
-    ctx = cpu_abi.ModContext()
+    ctx = abi.ModContext()
     ctx.math = math
     if buffers:
         buffer_ptrs = _pointer_array(buffers)
@@ -177,7 +98,7 @@ def _present(num: torch.Tensor | None, idx: torch.Tensor | None) -> bool:
     return num is not None and idx is not None and num.numel() > 0 and idx.numel() > 0
 
 
-def _set_dropout(args: cpu_abi.CallArgs, plan: dict, seed: torch.Tensor | None) -> None:
+def _set_dropout(args: abi.CallArgs, plan: dict, seed: torch.Tensor | None) -> None:
     if seed is None or not plan.get("dropout_threshold"):
         return
     key, stream = (int(x) for x in seed.tolist())
@@ -191,7 +112,7 @@ def _entry(name: str):
     return getattr(engine(), name)
 
 
-def _run(entry: str, args: cpu_abi.CallArgs) -> None:
+def _run(entry: str, args: abi.CallArgs) -> None:
     rc = _entry(entry)(ctypes.addressof(args))
     if rc:
         raise CpuKernelError(f"flexattn: the CPU attention {entry[3:]} failed with {_ENGINE_ERRORS.get(rc, rc)}")
@@ -245,11 +166,11 @@ def _cpu_flash_forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num
     keep_alive: list = []
     plan_dict, args = _call_args(plan, query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
                                  full_kv_indices, buffers, symbols, mods, keep_alive)
-    args.out, args.out_strides = out.data_ptr(), cpu_abi.strides(out, 4)
-    args.lse, args.lse_strides = lse.data_ptr(), cpu_abi.strides(lse, 3)
-    args.max_scores, args.max_strides = max_scores.data_ptr(), cpu_abi.strides(max_scores, 3)
+    args.out, args.out_strides = out.data_ptr(), abi.strides(out, 4)
+    args.lse, args.lse_strides = lse.data_ptr(), abi.strides(lse, 3)
+    args.max_scores, args.max_strides = max_scores.data_ptr(), abi.strides(max_scores, 3)
     if sinks is not None:
-        args.sinks, args.sinks_strides = sinks.data_ptr(), cpu_abi.strides(sinks, 2)
+        args.sinks, args.sinks_strides = sinks.data_ptr(), abi.strides(sinks, 2)
     _set_dropout(args, plan_dict, dropout_seed)
     _run("fa_forward", args)
     return out, lse, max_scores
@@ -271,11 +192,11 @@ def _cpu_flash_backward(query, key, value, out, logsumexp, grad_out, grad_logsum
     for name, t, n in (("out", out, 4), ("lse", logsumexp, 3), ("grad_out", grad_out, 4),
                        ("grad_lse", grad_logsumexp, 3), ("grad_q", grad_query, 4), ("grad_k", grad_key, 4),
                        ("grad_v", grad_value, 4)):
-        setattr(args, name, cpu_abi.data(t))
-        setattr(args, f"{name}_strides", cpu_abi.strides(t, n))
+        setattr(args, name, abi.data(t))
+        setattr(args, f"{name}_strides", abi.strides(t, n))
     grad_ptrs = _pointer_array(grads)
     numels = (ctypes.c_int64 * max(1, len(grads)))(*[g.numel() for g in grads])
-    ctx = cpu_abi.ModContext.from_address(args.ctx)
+    ctx = abi.ModContext.from_address(args.ctx)
     ctx.grads = ctypes.cast(grad_ptrs, ctypes.c_void_p)
     args.grad_numels, args.num_grads = ctypes.cast(numels, ctypes.c_void_p).value, len(grads)
     keep_alive += [grad_ptrs, numels]

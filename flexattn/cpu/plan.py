@@ -1,4 +1,4 @@
-"""The tiling of the CPU engine (``templates/cpu_flash.cpp.jinja``): a pure function
+"""The tiling of the CPU engine (``csrc/engine.cpp``): a pure function
 from a call's frozen inputs to its plan.
 
 A query tile is at most ``MAX_Q_TILE`` rows: an even split of a sparse query block
@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ... import cpu_abi
+from . import abi
 
 #: Rows of a query tile at most (bench/DECISIONS.md#cpu-tiles).
 MAX_Q_TILE = 256
 #: Keys of a KV span at most; also the longest row a mod function is called with.
-KV_TILE = cpu_abi.MAX_ROW
+KV_TILE = abi.MAX_ROW
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""score_mod / mask_mod IR -> the C++ of a CPU mod library (``templates/cpu_mods.cpp.jinja``).
+"""score_mod / mask_mod IR -> the C++ of a CPU mod library (``csrc/mods.cpp.jinja``).
 
 The CPU path lowers a call's mods exactly as the Triton path does (``subgraph.
 build_mod_buffer``: a 0-d ``ComputedBuffer`` whose ``inner_fn`` calls Inductor's ``ops``)
-and replays each ``inner_fn`` under ``cpp_ops.RowEmitter``, an ops handler of its own
+and replays each ``inner_fn`` under ``mod_ops.RowEmitter``, an ops handler of its own
 that answers every op with C++ text. The result is a C function over one row segment of a
-score tile (``cpu_common.h.jinja`` gives the signatures):
+score tile (``csrc/abi.h`` gives the signatures):
 
 * values that depend only on b, h, q_idx (and captured tensors read at such positions)
   are *uniform*: computed once per row, before the loops;
@@ -31,9 +31,8 @@ import torch
 from torch._inductor.codegen.cpp_utils import cexpr
 from torch._inductor.virtualized import V
 
-from ..cpu_abi import common_header
-from ..templates import render_cpp
-from .cpp_ops import STORAGE, Boundary, RowEmitter, Stmt, Val, ctype
+from .mod_ops import STORAGE, Boundary, RowEmitter, Stmt, Val, ctype
+from .sources import mod_library_source
 
 
 #: How a loop reads kv_idx.
@@ -254,7 +253,7 @@ class ModLibrary:
         exports = "\n".join(
             f'extern "C" void {name}({params}) {{ {name}_impl({", ".join(_param_names(params))}); }}'
             for name, params, _, _ in self.functions)
-        return render_cpp("cpu_mods.cpp", COMMON=common_header(), FUNCTIONS="\n\n".join(functions), EXPORTS=exports)
+        return mod_library_source("\n\n".join(functions), exports)
 
 
 def _param_names(params: str) -> list[str]:
