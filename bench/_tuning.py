@@ -1,13 +1,14 @@
-"""Shared setup of the GPU tools tune.py and profiler.py (and the experiments): Dynamo
-settings for many pinned compiles, the ``--grid`` product, and a parser for tools whose
-options depend on ``--kernel``."""
+"""Shared setup of the GPU tools (tune.py, profiler.py, ab_decode.py, ab_forward.py and the
+experiments): Dynamo settings for many pinned compiles, the ``--grid`` product, medians
+taken in rounds in turn, and a parser for tools whose options depend on ``--kernel``."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-from typing import Any, Sequence
+import statistics
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -29,6 +30,25 @@ def grid_settings(grid_json: str) -> list[dict]:
     values) as one kernel_options dict; [{}] for an empty grid."""
     grid = json.loads(grid_json)
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def medians_in_turn(fns: dict[str, Callable], *args, rounds: int = 5,
+                    timer: Callable[[Callable], float] | None = None) -> dict[str, float]:
+    """{name: median ms} of ``fns[name](*args)`` over ``rounds`` rounds taken in turn (so a
+    slow spell of the machine hits every call alike), after a first call of each (the
+    compile); ``timer(call) -> ms`` defaults to do_bench with 25 ms warm-up, 100 ms timed."""
+    if timer is None:
+        from triton.testing import do_bench
+
+        def timer(call):
+            return do_bench(call, warmup=25, rep=100)
+    for fn in fns.values():
+        fn(*args)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timer(lambda: fn(*args)))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 class KernelParser:

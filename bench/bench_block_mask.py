@@ -15,7 +15,8 @@ sampled every millisecond).
 A run that fails (out of memory, for example) is recorded with its error instead.
 
 Prints a markdown table and writes JSON (device name, torch version, every
-measurement) to ``--out`` (default ``bench/results/block_mask_<device>.json``).
+measurement) as ``block-mask-<device>-<stamp>.json`` in ``--out`` (default bench/results),
+or to ``--out`` itself when it names a ``.json`` file.
 
     python bench/bench_block_mask.py --device cpu --sizes 1024,4096
     python bench/bench_block_mask.py --device cuda --sizes 8192,32768,131072
@@ -24,6 +25,7 @@ measurement) to ``--out`` (default ``bench/results/block_mask_<device>.json``).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -151,7 +153,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sequence lengths")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variant names")
-    parser.add_argument("--out", type=Path, default=None, help="JSON output path, or a folder to write block_mask_<device>.json in")
+    parser.add_argument("--out", type=Path, default=None, help="JSON output path, or a folder for block-mask-<device>-<stamp>.json (default bench/results)")
     options = parser.parse_args()
 
     device = torch.device(options.device)
@@ -194,7 +196,8 @@ def main() -> None:
 
     out = options.out or RESULTS_DIR
     if out.is_dir() or out.suffix != ".json":
-        out = out / f"block_mask_{device.type}.json"
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+        out = out / f"block-mask-{device_name.lower().replace(' ', '-')}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "create_block_mask",

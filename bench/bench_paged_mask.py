@@ -11,7 +11,8 @@ n_pages, and the sequences' own page count) it times, eagerly:
 * with q    the same with ``compute_q_blocks=True`` (what a backward would need).
 
 Median wall time of ``--repeats`` runs after one warm-up, the device synchronized around
-each. Prints a markdown table; ``--out`` writes the JSON.
+each. Prints a markdown table; ``--out`` writes the JSON (a folder:
+``paged-mask-<device>-<stamp>.json`` in it).
 
     python bench/bench_paged_mask.py --device cpu
     python bench/bench_paged_mask.py --device cuda --out bench/results
@@ -20,6 +21,7 @@ each. Prints a markdown table; ``--out`` writes the JSON.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -94,7 +96,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--page-size", type=int, default=128)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path, or a folder for paged_mask_<device>.json")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path, or a folder for paged-mask-<device>-<stamp>.json")
     args = parser.parse_args(argv)
     if args.batch * -(-args.length // args.page_size) > args.pool_pages:
         parser.error("--pool-pages must hold --batch sequences of --length tokens")
@@ -107,7 +109,8 @@ def main(argv=None) -> dict:
     summary = {"device": name, "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
                "results": run(args)}
     if args.out is not None:
-        out = args.out / f"paged_mask_{name.replace(' ', '_')}.json" if args.out.is_dir() else args.out
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+        out = args.out / f"paged-mask-{name.lower().replace(' ', '-')}-{stamp}.json" if args.out.is_dir() else args.out
         out.write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -1,6 +1,6 @@
 """The benchmark harness itself (bench/bench_attention.py, bench/bench_sinks.py, bench/plot.py, bench/report.py,
-the options of bench/tune.py and bench/profiler.py, bench/DECISIONS.md's citations), on
-the CPU.
+the options of bench/tune.py and bench/profiler.py), on the CPU; what bench/results and
+bench/DECISIONS.md cite is tests/test_bench_layout.py's.
 
 Runs the harness's --dry-run in-process (tiny shapes, float32, eager compile backend)
 into a temporary folder and checks the JSON and markdown it writes, the recording of a
@@ -11,7 +11,6 @@ performance section is what bench/report.py generates from bench/results.
 import importlib.util
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -233,17 +232,6 @@ def test_report_takes_the_newest_suite_file_per_gpu(dry_run, tmp_path):
     readme = f"intro\n{report.START}\nold\n{report.END}\nrest\n"
     updated = report.with_section(readme, section)
     assert report.current_section(updated) == section and updated.endswith(f"{report.END}\nrest\n")
-
-
-def test_decisions_cite_recorded_results():
-    """Every bench/results file that bench/DECISIONS.md cites (``X.{json,md}`` meaning
-    both) exists."""
-    text = (BENCH / "DECISIONS.md").read_text()
-    cited = set()
-    for name in re.findall(r"`([a-z0-9-]+\.(?:json|md|png|log|\{[a-z,]+\}))`", text):
-        stem, _, suffix = name.partition(".")
-        cited |= {f"{stem}.{ext}" for ext in suffix.strip("{}").split(",")}
-    assert cited and not cited - {p.name for p in (BENCH / "results").iterdir()}
 
 
 def test_tune_and_profiler_options_depend_on_the_kernel(monkeypatch):

@@ -12,13 +12,12 @@ torch's flex, timed in turn; the permuted output is checked against the original
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import flexattn
 from flexattn import mods
 from torch.nn.attention import flex_attention as tf
 from bench_attention import document_ids
-from _in_turn import medians_in_turn
+from _tuning import medians_in_turn
 torch._dynamo.config.cache_size_limit = 1000
 B, H = 4, 16
 rows = []

@@ -1,6 +1,6 @@
 """A/B timing of decode kernel_options variants beside SDPA, round-robin.
 
-    python bench/experiments/ab_decode.py --cases 32x8192,32x32768 \
+    python bench/ab_decode.py --cases 32x8192,32x32768 \
         --variants '{"default": {}, "wide": {"BLOCK_N": 128, "num_stages": 2}}' [--rounds 5]
 
 One query token at position S-1 against a KV cache of S tokens (case ``BxS``), 32 query
@@ -30,7 +30,7 @@ import triton.testing
 
 import flexattn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench/, for its shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/, for its shared helpers
 from _tuning import allow_recompiles  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128

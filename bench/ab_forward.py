@@ -1,11 +1,19 @@
-"""Which launch order (or any other kernel_options variant) should the forward take? The index
-order against REVERSED_Q_TILES (every head's last tile first), or ``--variants``, beside torch's
-compiled flex_attention, bf16 B=4 H=16, timed in rounds in turn
-(bench/DECISIONS.md#forward-reversed-q-tiles-default).
+"""A/B timing of forward kernel_options variants beside torch's compiled flex_attention.
 
-``--timer graph`` replays each call in a CUDA graph (the GPU's time, no host: the order is a
-GPU question, and below S=4096 a call's host time exceeds its kernel's); ``--timer call``
-times the compiled call as the suite does."""
+    PYTHONPATH=. python bench/ab_forward.py --lengths 2048,8192 --dims 128 --masks causal,document_causal \
+        --variants '{"default": {}, "m64": {"BLOCK_M": 64}}' [--rounds 5] [--timer call]
+
+Each case (S, head dim, mask; bf16 B=4 H=16) compiles every ``--variants`` entry (name ->
+kernel_options; default: the index order against REVERSED_Q_TILES) and torch's flex afresh
+(static shapes) and times them in rounds taken in turn; the table gives median
+microseconds and each one's time over the first variant's. ``--timer graph`` (default)
+replays each call in a CUDA graph, the GPU's time: below S=4096 a call's host time exceeds
+its kernels'; ``--timer call`` times the compiled call as the suite does. Masks:
+``causal``, ``sliding`` (1024 keys back), ``document`` / ``document_causal`` (8 equal
+documents, or ``:N``-token ones), ``document_random:N`` / ``document_random_causal:N`` (N
+documents of the suite's seeded random lengths), ``padding`` (a per-batch key length
+between S/2 and S: a mask that reads memory and keeps long rows).
+"""
 from __future__ import annotations
 
 import argparse
@@ -19,9 +27,9 @@ from triton.testing import do_bench_cudagraph
 
 import flexattn
 from flexattn import mods
-from _in_turn import medians_in_turn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/, for its shared helpers
+from _tuning import medians_in_turn  # noqa: E402
 from bench_attention import document_ids  # noqa: E402
 
 VARIANTS = {
