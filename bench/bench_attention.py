@@ -1,6 +1,6 @@
 """Benchmark: attention kernels side by side, flexattn against its peers.
 
-For every case of the suite (the anchor cases of DESIGN.md, plus prefix-LM and GQA) and
+For every case of the suite (the anchor cases of the project's design brief, plus prefix-LM and GQA) and
 every mode (``fwd``: forward; ``fwdbwd``: forward and backward together) it runs:
 
 * ``flexattn``     ``torch.compile(flexattn.flex_attention, fullgraph=True)``
@@ -145,7 +145,7 @@ def _document_8(case: Case, device: torch.device):
 
 
 def full_suite() -> list[Case]:
-    """The anchor cases of DESIGN.md (bf16, B=4, H=16 unless named), prefix-LM and GQA."""
+    """The anchor cases of the project's design brief (bf16, B=4, H=16 unless named), prefix-LM and GQA."""
     return [
         Case("no_mask_s8192_d128", 4, 16, 16, 8192, 128, sdpa_causal=False),
         Case("causal_s8192_d128", 4, 16, 16, 8192, 128, mask_mod=_causal, sdpa_causal=True),

@@ -1,4 +1,4 @@
-"""The numerics harness of the tests: DESIGN.md's three-way check, in one place.
+"""The numerics harness of the tests: docs/architecture.md's three-way check, in one place.
 
 For each case three runs from the same fresh random inputs (and the same random output
 gradient): a golden run of the reference in float64, a run of the reference in the test

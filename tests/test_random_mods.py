@@ -47,7 +47,7 @@ ON_CUDA = DEVICE == "cuda"
 NUM_DRAWS = int(os.environ.get("FLEXATTN_RANDOM_DRAWS", 300 if ON_CUDA else 24))
 FIRST_SEED = int(os.environ.get("FLEXATTN_RANDOM_FIRST_SEED", 0))
 
-# The interpreter is wrong for bfloat16 (DESIGN.md), so bfloat16 inputs and captured
+# The interpreter is wrong for bfloat16 (docs/architecture.md), so bfloat16 inputs and captured
 # tensors are drawn on CUDA only.
 INPUT_DTYPES_CPU = ("float16", "float32")
 INPUT_DTYPES_CUDA = ("float16", "float32", "bfloat16")
@@ -59,7 +59,7 @@ INDEX_DTYPES = ("int32", "int64")
 DATA_INT_DTYPES = ("int16", "int32", "int64")
 
 # Lengths: half the draws pick a length next to a block boundary, half any length.
-# Interpreted kernels are slow, so CPU shapes stay small (DESIGN.md: S <= 256, D <= 64).
+# Interpreted kernels are slow, so CPU shapes stay small (docs/architecture.md: S <= 256, D <= 64).
 BOUNDARY_LENGTHS_CPU = (1, 15, 16, 17, 31, 33, 63, 64, 65, 79)
 MAX_LENGTH_CPU = 80
 BOUNDARY_LENGTHS_CUDA = (1, 17, 127, 128, 129, 255, 257, 383, 511, 600)

@@ -226,3 +226,44 @@ def test_no_private_name_used_across_modules():
     files = [*PACKAGE.rglob("*.py"), *(p for d in TOOL_DIRS for p in (ROOT / d).rglob("*.py"))]
     found = [hit for path in sorted(files) for hit in _private_uses(path)]
     assert not found, "private names used outside their module:\n" + "\n".join(found)
+
+
+#: Paths into the package (``flexattn/lowering/forward.py``, ``flexattn/cpu/``), dotted names
+#: (``flexattn.lowering.dispatch``, ``flexattn.cpu.uses_engine``) and bare source names in
+#: double backticks (````forward.py````).
+_PATH = re.compile(r"(?<![\w/.])flexattn/[\w/*-]*(?:(?:\.[\w*]+)+|/)")
+_DOTTED = re.compile(r"(?<![\w.])flexattn(?:\.[A-Za-z_]\w*)+")
+_BARE_SOURCE = re.compile(r"``([\w-]+\.(?:py|jinja|cpp|h))``")
+#: Files the package writes at build time (the CPU engine's generated header).
+_GENERATED = {"abi_generated.h"}
+
+
+def _named_places(text: str) -> tuple[set[str], set[str], set[str]]:
+    return set(_PATH.findall(text)), set(_DOTTED.findall(text)), set(_BARE_SOURCE.findall(text))
+
+
+def test_module_paths_in_docs_and_docstrings_exist():
+    """Every package path, dotted module name and source file named in the docs, the
+    READMEs, the package's docstrings and comments, and the templates exists."""
+    import importlib
+
+    texts = [*(ROOT / "docs").rglob("*.md"), ROOT / "README.md", ROOT / "bench" / "README.md",
+             *PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.jinja"), *(ROOT / "tests").glob("_*.py")]
+    sources = {p.name for p in ROOT.rglob("*") if p.suffix in (".py", ".jinja", ".cpp", ".h") and ".git" not in p.parts}
+    sources |= _GENERATED
+    stale = []
+    for path in texts:
+        paths, dotted, bare = _named_places(path.read_text())
+        where = path.relative_to(ROOT)
+        stale += [f"{where}: {p}" for p in paths if not list(ROOT.glob(p.rstrip("/")))]
+        stale += [f"{where}: ``{name}``" for name in bare if name not in sources]
+        for name in dotted:
+            parts = name.split(".")
+            while len(parts) > 1 and not _exists(".".join(parts)):
+                parts.pop()
+            rest = name.split(".")[len(parts):]
+            module = importlib.import_module(".".join(parts))
+            if rest and not hasattr(module, rest[0]) and not _exists(".".join(parts + rest[:1])):
+                stale.append(f"{where}: {name}")
+    assert len(texts) > 50
+    assert not stale, "names of modules or files that do not exist:\n" + "\n".join(sorted(stale))

@@ -4,8 +4,10 @@
 ``__init__`` calls it. Modules, one concern each:
 
 * ``dispatch``: the registered lowerings and the choice of kernel per call;
-* ``forward``, ``backward``, ``decode``: one kernel's lowering each (the decode's plan, a
-  pure function of sizes and options, in ``decode_plan``); none imports another;
+* ``forward``, ``gluon_forward``, ``backward``, ``decode``: one kernel's lowering each;
+  none imports another. The plans, pure functions of sizes and options: ``forward_plan``
+  (the Triton or the Gluon forward) and ``decode_plan``;
+* ``gluon_template``: Gluon kernels as Inductor templates;
 * ``common``: the host code they share (realising inputs, the call preparation,
   specialisations, template choices, the chosen-config report);
 * ``subgraph``: score_mod / mask_mod graphs to the IR a template inlines;
@@ -13,6 +15,7 @@
 * ``configs/``: the tile-configuration tables, one per kernel and GPU generation.
 
 The C++ CPU engine's lowering lives with the engine, in ``flexattn/cpu/lowering.py``.
+The layers and their import rules: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
