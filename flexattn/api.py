@@ -447,7 +447,10 @@ def flex_attention(
     seed = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=query.device) if dropout_p else None
 
     args = (query, key, value, score_mod, block_mask.as_tuple(), float(scale), options)
-    if torch.compiler.is_compiling():
+    if query.shape[2] == 0 and key.shape[2] > 0:
+        # No query rows, nothing for a kernel to do: the math gives the empty results (as torch's).
+        out, lse, max_scores = dense_math(*args[:6], (), (), sinks, call_dropout(options, seed))
+    elif torch.compiler.is_compiling():
         out, lse, max_scores = flex_attention_hop(*args, sinks=sinks, dropout_seed=seed)
     else:
         out, lse, max_scores = _run_eagerly(*args, sinks, seed)

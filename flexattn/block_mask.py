@@ -21,12 +21,11 @@ memory stays bounded at any sequence length.
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,10 +33,11 @@ from torch import Tensor
 
 from ._compat import pytree
 from ._mask_tuple import BLOCK_TABLE_FIELDS
-from .block_tables import (EMPTY, FULL, BlockMaskArgumentError, block_grid, block_kinds, block_size_pair, cdiv,
+from .block_tables import (BlockMaskArgumentError, block_grid, block_kinds, block_size_pair, cdiv,
                            check_kv_lists, check_listed_kv_ids, check_pair, crop_tables, flags_from_lists,
                            kv_columns, row_selection, tables_from_flags, tile_table, transposed_tables)
 from .mask_evaluation import chunked_block_flags, evaluate_mod, index_vectors, traced_block_flags
+from .mask_pictures import computed_picture, kinds_picture
 from .mod_signature import MASK_MOD_ARITY, MaskMod, check_mask_mods, mod_arity, mod_name
 
 log = logging.getLogger("flexattn.block_mask")
@@ -75,9 +75,6 @@ BYTES_PER_MASK_ELEMENT = 16
 COMPILE_BACKEND = "inductor"
 """torch.compile backend used by ``create_block_mask(..., _compile=True)``."""
 
-_FULL_CHAR = "█"
-_PARTIAL_CHAR = "░"
-_EMPTY_CHAR = " "
 
 
 # --------------------------------------------------------------------------------------
@@ -142,37 +139,7 @@ def _resolve_device(device: Any) -> torch.device:
     return torch.device(device)
 
 
-def _cell_steps(rows: int, cols: int, grid_size: int | tuple[int, int]) -> tuple[int, int]:
-    """Blocks per picture cell (down, across) so that a (rows, cols) block grid fits in
-    ``grid_size`` cells (an int for both axes; -1: one cell per block)."""
-    if grid_size == -1:
-        max_rows, max_cols = rows, cols
-    elif isinstance(grid_size, int):
-        max_rows = max_cols = grid_size
-    else:
-        max_rows, max_cols = grid_size
-    return max(1, cdiv(rows, max(1, max_rows))), max(1, cdiv(cols, max(1, max_cols)))
-
-
-def _shown_pictures(batch_dims: Sequence[int], limit: int) -> tuple[list[tuple[int, ...]], int]:
-    """The batch indices (b, h, ...) of the first ``limit`` pictures (all of them for a
-    negative limit), and how many more there are."""
-    every = itertools.product(*(range(n) for n in batch_dims))
-    indices = list(itertools.islice(every, limit if limit >= 0 else None))
-    return indices, math.prod(batch_dims) - len(indices)
-
-
-def _picture_rows(grid: Tensor, row_step: int, col_step: int, cell: Callable[[Tensor], str]) -> list[str]:
-    """One string per cell row of a (rows, cols) block grid; each cell, ``cell`` of its
-    group of blocks, drawn two characters wide so that the picture looks square."""
-    rows, cols = grid.shape
-    return [
-        "".join(cell(grid[r : r + row_step, c : c + col_step]) * 2 for c in range(0, cols, col_step))
-        for r in range(0, rows, row_step)
-    ]
-
-
-def _check_positive_int(value: Any, argument: str, allow_none: bool = False) -> Any:
+def _check_positive_int(value: Any, argument: str, allow_none: bool = False, allow_zero: bool = False) -> Any:
     """``value`` as a Python int (a NumPy integer too), or None where allowed; a
     ValueError naming ``argument`` for anything else. A SymInt (a size traced by
     torch.compile, e.g. ``q.size(-2)``) is kept symbolic, so the trace is not
@@ -180,10 +147,17 @@ def _check_positive_int(value: Any, argument: str, allow_none: bool = False) -> 
     if allow_none and value is None:
         return None
     integral = isinstance(value, (int, numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
-    if not integral or value < 1:
-        expected = "a positive int or None" if allow_none else "a positive int"
+    if not integral or value < (0 if allow_zero else 1):
+        expected = "a non-negative int" if allow_zero else "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"{argument} must be {expected}, got {value!r}")
     return value if isinstance(value, (int, torch.SymInt)) else int(value)
+
+
+def _check_types(kinds: tuple[type, ...], **values: Any) -> None:
+    for argument, value in values.items():
+        if not isinstance(value, kinds):
+            names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            raise TypeError(f"{argument} must be {names}, got {type(value).__name__}")
 
 
 def create_mask(
@@ -295,6 +269,10 @@ class BlockMask:
         mask_mod: MaskMod | None = None,
         seq_lengths: tuple[int, int] | None = None,
         compute_q_blocks: bool = True,
+        *,
+        dq_write_order: Tensor | None = None,
+        dq_write_order_full: Tensor | None = None,
+        dq_kv_order: Tensor | bool | None = None,
     ) -> BlockMask:
         """Build a BlockMask from the per-query-block KV lists; derives the transposed view.
 
@@ -308,8 +286,12 @@ class BlockMask:
         range by the kernels. ``mask_mod`` defaults to ``noop_mask``.
         ``compute_q_blocks=False`` leaves the transposed lists out (they cost a pass
         over every KV block of every row): the mask then serves forward calls only,
-        and a call that needs a backward raises.
+        and a call that needs a backward raises. ``dq_write_order``, ``dq_write_order_full``
+        and ``dq_kv_order``: torch's metadata for its FLASH backend's deterministic dQ,
+        accepted for compatibility and unused (see ``create_block_mask``).
         """
+        _check_types((Tensor, type(None)), dq_write_order=dq_write_order, dq_write_order_full=dq_write_order_full)
+        _check_types((Tensor, bool, type(None)), dq_kv_order=dq_kv_order)
         kv_lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         check_kv_lists(*kv_lists)
         block_size = block_size_pair(BLOCK_SIZE)
@@ -385,58 +367,7 @@ class BlockMask:
         (partial blocks, or a mix). Query blocks run down, KV blocks across.
         ``str(block_mask)`` draws torch's picture instead (see ``__str__``).
         """
-        kinds = self._block_kinds().cpu()
-        *batch_dims, rows, cols = kinds.shape
-        row_step, col_step = _cell_steps(rows, cols, grid_size)
-
-        def cell(group: Tensor) -> str:
-            if bool((group == FULL).all()):
-                return _FULL_CHAR
-            if bool((group == EMPTY).all()):
-                return _EMPTY_CHAR
-            return _PARTIAL_CHAR
-
-        lines = [
-            f"{_FULL_CHAR} full  {_PARTIAL_CHAR} partial  '{_EMPTY_CHAR}' empty; "
-            f"one cell = {row_step}x{col_step} blocks of {self.BLOCK_SIZE[0]}x{self.BLOCK_SIZE[1]}"
-        ]
-        shown, hidden = _shown_pictures(batch_dims, limit)
-        border = "+" + "-" * (2 * cdiv(cols, col_step)) + "+"
-        for batch_index in shown:
-            label = ", ".join(f"{name}={i}" for name, i in zip(("b", "h", "d2", "d3"), batch_index))
-            lines.append(f"[{label}]" if label else "[]")
-            lines.append(border)
-            lines.extend("|" + row + "|" for row in _picture_rows(kinds[batch_index], row_step, col_step, cell))
-            lines.append(border)
-        if hidden:
-            lines.append(f"... ({hidden} more; raise limit= or index the BlockMask, e.g. block_mask[b, h], "
-                         f"to see others)")
-        return "\n".join(lines)
-
-    def _computed_blocks_picture(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
-        """The pictures of ``__str__``: per (batch, head), its index tuple on a line, then
-        one line per cell row with '█' where all blocks of the cell are computed (partial
-        or full), ' ' where none is, '░' for a mix; pictures separated by a blank line."""
-        computed = self.to_dense().cpu().bool()
-        *batch_dims, rows, cols = computed.shape
-        row_step, col_step = _cell_steps(rows, cols, grid_size)
-
-        def cell(group: Tensor) -> str:
-            if bool(group.all()):
-                return _FULL_CHAR
-            if not bool(group.any()):
-                return _EMPTY_CHAR
-            return _PARTIAL_CHAR
-
-        shown, hidden = _shown_pictures(batch_dims, limit)
-        pictures = []
-        for batch_index in shown:
-            grid_rows = _picture_rows(computed[batch_index], row_step, col_step, cell)
-            pictures.append(f"{batch_index}\n" + "".join(row + "\n" for row in grid_rows))
-        if hidden:
-            pictures.append(f"...\n{hidden} more not shown: index the BlockMask (block_mask[b, h]) or call "
-                            f"to_string(limit=...) to see them")
-        return "\n".join(pictures)
+        return kinds_picture(self._block_kinds().cpu(), self.BLOCK_SIZE, grid_size, limit)
 
     def __repr__(self) -> str:
         rows, cols = self.kv_indices.shape[-2], self._kv_columns()
@@ -469,7 +400,7 @@ class BlockMask:
         """
         return (
             f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n"
-            f"{self._computed_blocks_picture().strip()}\n)"
+            f"{computed_picture(self.to_dense().cpu().bool()).strip()}\n)"
         )
 
     def __getitem__(self, index: Any) -> BlockMask:
@@ -552,6 +483,9 @@ def create_block_mask(
     device: Any = None,
     BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
     _compile: bool = False,
+    separate_full_blocks: bool = True,
+    compute_dq_write_order: bool = False,
+    dq_kv_order: bool = True,
 ) -> BlockMask:
     """Build the BlockMask of ``mask_mod`` for (B, H, Q_LEN, KV_LEN) without a dense mask.
 
@@ -559,11 +493,16 @@ def create_block_mask(
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend).
         B, H: batch size and number of heads; None (or 1) gives a mask of size 1 on that
             dim, which broadcasts over the attention call's batch / heads.
-        Q_LEN, KV_LEN: sequence lengths (any positive ints, not only block multiples).
+        Q_LEN, KV_LEN: sequence lengths (not only block multiples; Q_LEN may be 0).
         device: where to evaluate and store; defaults to the current accelerator, else CPU.
         BLOCK_SIZE: tile size, an int or a (q_block, kv_block) pair.
         _compile: evaluate each chunk through ``torch.compile`` (fuses mask evaluation
             and block reduction; worth it for long sequences on a GPU).
+        separate_full_blocks: list blocks that need no mask_mod apart (the kernels skip
+            mask_mod there); False lists every visited block as partial.
+        compute_dq_write_order, dq_kv_order: torch's metadata for its FLASH backend's
+            deterministic dQ; accepted for compatibility and unused (flexattn's backward
+            orders its dQ writes itself: kernel_options DETERMINISTIC).
 
     The mask is evaluated a chunk at a time (``MASK_CHUNK_BYTES`` of bools per chunk)
     and reduced to block flags at once, so memory stays bounded at any length.
@@ -576,15 +515,19 @@ def create_block_mask(
         )
     B = _check_positive_int(B, "B", allow_none=True)
     H = _check_positive_int(H, "H", allow_none=True)
-    Q_LEN = _check_positive_int(Q_LEN, "Q_LEN")
+    Q_LEN = _check_positive_int(Q_LEN, "Q_LEN", allow_zero=True)
     KV_LEN = _check_positive_int(KV_LEN, "KV_LEN")
+    _check_types((bool,), separate_full_blocks=separate_full_blocks, compute_dq_write_order=compute_dq_write_order,
+                 dq_kv_order=dq_kv_order)
     block_size = block_size_pair(BLOCK_SIZE)
     B = 1 if B is None else B
     H = 1 if H is None else H
     device = _resolve_device(device)
     timed = not torch.compiler.is_compiling() and log.isEnabledFor(logging.INFO)
     started = time.perf_counter() if timed else 0.0
-    if torch.compiler.is_compiling():
+    if isinstance(Q_LEN, int) and Q_LEN == 0:
+        any_blocks = all_blocks = torch.zeros(B, H, 0, cdiv(KV_LEN, block_size[1]), dtype=torch.bool, device=device)
+    elif torch.compiler.is_compiling():
         any_blocks, all_blocks = traced_block_flags(mask_mod, B, H, Q_LEN, KV_LEN, device, *block_size)
     else:
         any_blocks, all_blocks = chunked_block_flags(
@@ -592,7 +535,8 @@ def create_block_mask(
             chunk_elements=max(1, MASK_CHUNK_BYTES // BYTES_PER_MASK_ELEMENT),
             compile_backend=COMPILE_BACKEND if _compile else None,
         )
-    tables = tables_from_flags(any_blocks & ~all_blocks, all_blocks)
+    tables = (tables_from_flags(any_blocks & ~all_blocks, all_blocks) if separate_full_blocks
+              else tables_from_flags(any_blocks, None))
     mask = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block_size, mask_mod=mask_mod)
     if timed and time.perf_counter() - started >= LONG_BUILD_SECONDS:
         log.info("flexattn: create_block_mask(%s) for B=%s H=%s Q_LEN=%s KV_LEN=%s BLOCK_SIZE=%s on %s took %.2f s",

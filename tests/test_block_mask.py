@@ -5,6 +5,8 @@ torch.nn.attention.flex_attention is used here only as the peer to compare with.
 
 from __future__ import annotations
 
+import inspect
+
 import re
 
 import pytest
@@ -13,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import flex_attention as torch_flex
 
+import flexattn
 import flexattn.block_mask as bm
 import flexattn.mask_evaluation as mask_evaluation
 from flexattn.block_tables import lists_from_flags
@@ -181,7 +184,10 @@ def test_non_scalar_mask_mod_output_is_rejected():
         (dict(mask_mod=lambda b, h, q: q), TypeError, "mask_mod must take 4 positional.*takes 3"),
         (dict(mask_mod=lambda *a: a[0]), TypeError, r"takes a variable number \(\*args\)"),
         (dict(mask_mod=lambda s, b, h, q, kv: s), TypeError, "takes 5, i.e. it is a score_mod"),
-        (dict(Q_LEN=0), ValueError, "Q_LEN must be a positive int, got 0"),
+        (dict(Q_LEN=-1), ValueError, "Q_LEN must be a non-negative int, got -1"),
+        (dict(separate_full_blocks=1), TypeError, "separate_full_blocks must be bool, got int"),
+        (dict(compute_dq_write_order=None), TypeError, "compute_dq_write_order must be bool, got NoneType"),
+        (dict(dq_kv_order="yes"), TypeError, "dq_kv_order must be bool, got str"),
         (dict(KV_LEN=-3), ValueError, "KV_LEN must be a positive int, got -3"),
         (dict(KV_LEN=12.0), ValueError, "KV_LEN must be a positive int, got 12.0"),
         (dict(B=0), ValueError, "B must be a positive int or None, got 0"),
@@ -197,6 +203,52 @@ def test_create_block_mask_validation(kwargs, error, pattern):
     arguments.update(kwargs)
     with pytest.raises(error, match=pattern):
         create_block_mask(**arguments)
+
+
+def test_create_block_mask_takes_torch_213_keywords():
+    """torch 2.13's keywords: separate_full_blocks=False lists every visited block as
+    partial (no full lists, as torch's); the dQ write-order ones are accepted."""
+    separated = create_block_mask(causal_mask, 2, 1, 300, 300, device=CPU)
+    merged = create_block_mask(causal_mask, 2, 1, 300, 300, device=CPU, separate_full_blocks=False,
+                               compute_dq_write_order=True, dq_kv_order=False)
+    assert merged.full_kv_num_blocks is None and merged.full_q_num_blocks is None
+    assert torch.equal(merged.to_dense(), separated.to_dense())
+    assert merged.kv_num_blocks.tolist() == [[[1, 2, 3]]] * 2
+    q = torch.randn(2, 2, 300, 16)
+    torch.testing.assert_close(flexattn.flex_attention(q, q, q, block_mask=merged),
+                               flexattn.flex_attention(q, q, q, block_mask=separated))
+    if "separate_full_blocks" in inspect.signature(torch_flex.create_block_mask).parameters:  # torch >= 2.13
+        reference = torch_flex.create_block_mask(causal_mask, 2, 1, 300, 300, device=CPU, separate_full_blocks=False)
+        assert reference.full_kv_num_blocks is None
+        assert torch.equal(merged.kv_num_blocks, reference.kv_num_blocks)
+
+
+def test_from_kv_blocks_takes_and_checks_the_dq_order_keywords():
+    mask = create_block_mask(causal_mask, 1, 1, 256, 256, device=CPU)
+    order = torch.zeros(1, 1, 2, 2, dtype=torch.int32)
+    built = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                     mask.full_kv_indices, dq_write_order=order, dq_write_order_full=order,
+                                     dq_kv_order=True)
+    assert torch.equal(built.to_dense(), mask.to_dense())
+    with pytest.raises(TypeError, match="dq_write_order must be Tensor or None, got list"):
+        BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, dq_write_order=[0])
+    with pytest.raises(TypeError, match="dq_kv_order must be Tensor or bool or None, got str"):
+        BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, dq_kv_order="x")
+
+
+def test_an_empty_query_gives_an_empty_mask_and_empty_results():
+    """Q_LEN=0, as torch allows: no query blocks; flex_attention returns empty results
+    (eager and compiled) with gradients of the right shapes."""
+    mask = create_block_mask(causal_mask, 1, 2, 0, 300, device=CPU)
+    assert mask.shape == (1, 2, 0, 300) and mask.kv_num_blocks.shape == (1, 2, 0)
+    assert mask.q_num_blocks.tolist() == [[[0, 0, 0]] * 2]
+    q = torch.randn(1, 2, 0, 16, requires_grad=True)
+    k = torch.randn(1, 2, 300, 16, requires_grad=True)
+    for attend in (flexattn.flex_attention, torch.compile(flexattn.flex_attention)):
+        out, aux = attend(q, k, k, block_mask=mask, return_aux=flexattn.AuxRequest(lse=True, max_scores=True))
+        assert out.shape == (1, 2, 0, 16) and aux.lse.shape == aux.max_scores.shape == (1, 2, 0)
+        grad_q, grad_k = torch.autograd.grad(out.sum(), (q, k))
+        assert grad_q.shape == q.shape and torch.count_nonzero(grad_k) == 0
 
 
 def test_default_device_is_accelerator_or_cpu():
