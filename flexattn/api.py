@@ -44,7 +44,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Keys and values may be float8 under a 16- or 32-bit query (quantized KV caches; the
 #: kernels widen each tile to the query's dtype, forward and decode only).
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Head dims the Triton kernels take (their tiles and shared memory), and the C++ CPU
+#: engine's (its scratch grows with the head dim; tested up to here).
 MAX_HEAD_DIM = 256
+CPU_ENGINE_MAX_HEAD_DIM = 1024
 
 def _code_version() -> str:
     """A digest of the sources that decide what flexattn compiles to.
@@ -189,9 +192,12 @@ def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
             f"flexattn: with enable_gqa, query heads ({Hq}) must be a multiple of key/value "
             f"heads ({Hk})"
         )
+    engine = uses_engine(query.device)
+    limit = CPU_ENGINE_MAX_HEAD_DIM if engine else MAX_HEAD_DIM
     for name, d in (("query/key head dim E", E), ("value head dim Ev", value.shape[-1])):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"flexattn: {name} must be between 1 and {MAX_HEAD_DIM}, got {d}")
+        if not 1 <= d <= limit:
+            where = "the CPU engine" if engine else f"the {query.device.type} kernels"
+            raise ValueError(f"flexattn: {name} must be between 1 and {limit} on {where}, got {d}")
 
 
 def _check_mod(name: str, fn: Any, arity: int, signature: str) -> None:

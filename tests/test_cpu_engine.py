@@ -121,6 +121,17 @@ def test_dtypes_at_length(dtype):
     _three_way(lambda: mods.tanh_softcap(20.0), bm, q, k, v, dtype=dtype)
 
 
+@pytest.mark.parametrize("E, Ev", [(512, 512), (1024, 96), (320, 640)])
+def test_head_dims_above_the_triton_kernels_limit(E, Ev):
+    """Head dims past the Triton kernels' 256, up to the engine's CPU_ENGINE_MAX_HEAD_DIM
+    (as torch's compiled CPU flex takes them), forward and backward, GQA."""
+    gen = harness.generator(11)
+    q, k, v = harness.make_inputs(gen, B=1, Hq=4, Hkv=2, L=130, S=200, E=E, Ev=Ev, dtype=torch.float32,
+                                  requires_grad=True)
+    bm = create_block_mask(mods.causal_mask, None, None, 130, 200, device="cpu", BLOCK_SIZE=64)
+    _three_way(lambda: mods.alibi(4), bm, q, k, v)
+
+
 @pytest.mark.parametrize("mask_name", ["parity", "documents"])
 def test_query_blocks_with_the_same_lists_share_a_tile(mask_name):
     """Consecutive query blocks whose KV lists are the same run as one taller forward

@@ -67,8 +67,14 @@ def test_gqa_needs_divisible_heads():
 
 
 def test_head_dim_limits():
-    q, k, v = _qkv(E=512, Ev=8)
-    with pytest.raises(ValueError, match=r"head dim E must be between 1 and 256, got 512"):
+    """The CPU engine takes head dims up to 1024, the Triton kernels up to 256; the error
+    names the limit of the path the call would take."""
+    q, k, v = _qkv(E=2048, Ev=8)
+    with pytest.raises(ValueError, match=r"head dim E must be between 1 and 1024 on the CPU engine, got 2048"):
+        _call(q, k, v)
+    q, k, v = _qkv(E=8, Ev=512)
+    with torch._inductor.config.patch(cpu_backend="triton"), \
+            pytest.raises(ValueError, match=r"value head dim Ev must be between 1 and 256 on the cpu kernels, got 512"):
         _call(q, k, v)
 
 
