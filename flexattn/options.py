@@ -267,3 +267,7 @@ _KIND_TYPES = {"bool": bool, "int": int, "tristate": Optional[bool], "str": str,
 #: none required.
 FlexKernelOptions = TypedDict(  # type: ignore[misc]
     "FlexKernelOptions", {opt.name: _KIND_TYPES[opt.kind] for opt in OPTIONS if opt.public}, total=False)
+FlexKernelOptions.__doc__ = (
+    "The kernel_options dict of flex_attention, as a type (torch's FlexKernelOptions): every key optional.\n\n"
+    "Keys:\n\n" + "\n".join(f"* {opt.name} ({opt.kind}, default {opt.default_doc or repr(opt.default)}): {opt.doc}"
+                             for opt in OPTIONS if opt.public))

@@ -37,3 +37,26 @@ def test_compiled_call_after_a_lazy_import():
                              fullgraph=True)
     expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=2 / 4)
     torch.testing.assert_close(compiled(q), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_every_public_name_has_a_docstring_of_its_own():
+    """help() on each public name (and each public method of a public class) shows
+    flexattn's text, not an inherited one (a TypedDict would show dict's)."""
+    import inspect
+
+    import flexattn.distributed
+    import flexattn.mods
+
+    missing = []
+    for module in (flexattn, flexattn.mods, flexattn.distributed):
+        for name in getattr(module, "__all__", [n for n in dir(module) if not n.startswith("_")]):
+            obj = getattr(module, name)
+            if inspect.ismodule(obj) or not (callable(obj) or isinstance(obj, type)):
+                continue
+            if not obj.__doc__ or (isinstance(obj, type) and "__doc__" not in vars(obj)):
+                missing.append(f"{module.__name__}.{name}")
+            for attribute, value in vars(obj).items() if isinstance(obj, type) else ():
+                function = getattr(value, "__func__", value)
+                if not attribute.startswith("_") and callable(function) and not function.__doc__:
+                    missing.append(f"{module.__name__}.{name}.{attribute}")
+    assert not missing, f"public names without a docstring: {missing}"

@@ -297,5 +297,7 @@ class ContextParallelAttention(nn.Module):
         return self.plan.shard(tensor, _group_rank(self.group)[0], dim)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, return_lse: bool = False):
+        """Attention of this rank's query shard over the whole sequence's keys and values
+        (each rank passes its own shards); the output (and lse) of this rank's rows."""
         return context_parallel_attention(query, key, value, self.block_mask, self.plan, self.score_mod,
                                           group=self.group, return_lse=return_lse, **self.options)
