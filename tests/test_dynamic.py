@@ -192,3 +192,25 @@ def test_packed_document_training_loop(capsys, flexattn_kernels):
     with capsys.disabled():
         print(f"\npacked-document training ({flexattn_kernels}): {counter.frame_count} compiles over {len(lengths)} lengths")
     assert counter.frame_count <= 2, counter.frame_count
+
+
+@pytest.mark.workflow
+@pytest.mark.parametrize("mask_built", ["outside", "inside"])
+def test_recompiles_over_changing_lengths_are_as_the_guide_says(mask_built):
+    """The guide's count: a BlockMask built outside the compiled function costs one
+    recompile for the first new length and one more when its block count first changes;
+    one built inside costs one; then every length reuses the graph."""
+    def loss(x, bm):
+        B, H, L, _ = x.shape
+        if bm is None:
+            bm = flexattn.create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE)
+        return flexattn.flex_attention(x, x, x, block_mask=bm).float().sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(loss, backend=counter)
+    for L in (256, 192, 320, 448, 200):
+        x = torch.randn(1, 2, L, 16, device=DEVICE, requires_grad=True)
+        bm = flexattn.create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE) \
+            if mask_built == "outside" else None
+        compiled(x, bm).backward()
+    assert counter.frame_count == (3 if mask_built == "outside" else 2)
