@@ -21,7 +21,7 @@ import operator
 import torch
 
 from . import _compat
-from ._hop import MutatingModError, flex_attention_hop
+from ._hop import ModError, MutatingModError, flex_attention_hop
 from ._mask_tuple import BLOCK_MASK_TUPLE_LEN, BlockMaskView
 from .numerics import IndexWithTensors
 
@@ -165,7 +165,7 @@ def _check_mod_output(name: str, body_out) -> None:
     proxy = getattr(body_out, "proxy", None)
     example = proxy.node.meta.get("example_value") if proxy is not None else None
     if isinstance(example, torch.Tensor) and example.dim() != 0:
-        raise ValueError(
+        raise ModError(
             f"flexattn: {name} must return one value per (b, h, q_idx, kv_idx): a 0-d tensor, "
             f"but it returned shape {tuple(example.shape)}. Reductions and broadcasts over "
             f"captured tensors are not allowed inside a mod."

@@ -64,8 +64,17 @@ class MissingQBlocksError(ValueError, RuntimeError):
     RuntimeError, as torch raises; a ValueError, as the argument is at fault)."""
 
 
-class MutatingModError(RuntimeError):
-    """A score_mod or mask_mod wrote to a tensor; flexattn mods must be pure."""
+class ModError(ValueError, AssertionError):
+    """A score_mod or mask_mod that flexattn cannot run (wrong output shape, say).
+
+    A ValueError, and an AssertionError too: torch.compile passes an AssertionError
+    raised while it traces to the caller as it is, where it wraps others as an internal
+    Dynamo error, so the caller sees this type and message on top."""
+
+
+class MutatingModError(RuntimeError, AssertionError):
+    """A score_mod or mask_mod wrote to a tensor; flexattn mods must be pure. (An
+    AssertionError too, so that torch.compile passes it on as it is; see ``ModError``.)"""
 
 
 # --------------------------------------------------------------------------------------

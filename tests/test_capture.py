@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import flexattn
 from flexattn import mods
-from flexattn._hop import MutatingModError, flex_attention_hop
+from flexattn._hop import ModError, MutatingModError, flex_attention_hop
 
 from conftest import DEVICE
 
@@ -130,7 +130,20 @@ def test_captured_parameter_gets_gradient_under_compile():
     torch.testing.assert_close(slopes.grad, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_mutating_score_mod_is_rejected():
+def _mod_error_calls():
+    """A flexattn call with a faulty mod, three ways: inside torch.compile with and without
+    fullgraph, and eagerly (which compiles the operator itself)."""
+    def call(q, k, v, score_mod):
+        return flexattn.flex_attention(q, k, v, score_mod)
+
+    return {"fullgraph": torch.compile(call, backend="aot_eager", fullgraph=True),
+            "graph_breaks_allowed": torch.compile(call, backend="aot_eager"), "eager": call}
+
+
+@pytest.mark.parametrize("way", ["fullgraph", "graph_breaks_allowed", "eager"])
+def test_mutating_score_mod_is_rejected_with_flexattns_error_on_top(way):
+    """The user's error reaches the caller as flexattn's exception (not wrapped as an
+    internal Dynamo error), under torch.compile or not."""
     q, k, v = _qkv()
     counts = torch.zeros(4)
 
@@ -138,20 +151,23 @@ def test_mutating_score_mod_is_rejected():
         counts.add_(1)
         return score
 
-    with pytest.raises(Exception, match="pure function"):
-        torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, mutating), backend="aot_eager", fullgraph=True)(q, k, v)
-    assert issubclass(MutatingModError, RuntimeError)
+    with pytest.raises(MutatingModError, match="must be a pure function") as caught:
+        _mod_error_calls()[way](q, k, v, mutating)
+    assert type(caught.value) is MutatingModError
+    assert isinstance(caught.value, RuntimeError)
 
 
-def test_reducing_score_mod_is_rejected():
+@pytest.mark.parametrize("way", ["fullgraph", "graph_breaks_allowed", "eager"])
+def test_reducing_score_mod_is_rejected_with_flexattns_error_on_top(way):
     q, k, v = _qkv()
     table = torch.randn(4, 8)
 
     def reducing(score, b, h, qi, ki):
         return score + table[h]  # shape (8,): not one value per entry
 
-    with pytest.raises(Exception, match="0-d tensor"):
-        torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, reducing), backend="eager", fullgraph=True)(q, k, v)
+    with pytest.raises(ModError, match="must return one value per .* a 0-d tensor") as caught:
+        _mod_error_calls()[way](q, k, v, reducing)
+    assert type(caught.value) is ModError and isinstance(caught.value, ValueError)
 
 
 def test_dynamic_shapes_do_not_recompile_endlessly():
