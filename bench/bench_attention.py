@@ -63,6 +63,12 @@ from flexattn import mods  # noqa: E402
 RESULTS_DIR = REPO / "bench" / "results"
 IMPLS = ("flexattn", "torch_flex", "sdpa_flash", "sdpa_cudnn")
 FLEX_IMPLS = ("flexattn", "torch_flex")
+#: Columns a run adds with --peers: flexattn forced onto its Triton template (beside its
+#: default choice, the Gluon kernel on Hopper) and torch's FLASH backend (FlashAttention-4,
+#: importable on the GPU machine through ../shared/fa4/), each a flex call with these options.
+PEER_IMPLS = {"template": "flexattn_triton", "flash": "torch_flash"}
+IMPL_OPTIONS = {"flexattn_triton": {"BACKEND": "TRITON"}, "torch_flash": {"BACKEND": "FLASH"}}
+PEER_LABELS = {"flexattn_triton": "flexattn Triton", "torch_flash": "torch FLASH"}
 MODES = ("fwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}
 ERROR_FLAG = 2e-2
@@ -70,6 +76,8 @@ DRY_RUN_NOT_RUN = {
     ("sdpa_cudnn", "fwd"): "not run in the dry run",
     ("sdpa_cudnn", "fwdbwd"): "not run in the dry run",
     ("torch_flex", "fwdbwd"): "torch's flex_attention has no backward on CPU",
+    ("torch_flash", "fwd"): "torch's FLASH backend runs on CUDA GPUs only",
+    ("torch_flash", "fwdbwd"): "torch's FLASH backend runs on CUDA GPUs only",
 }
 SEED = 0
 
@@ -238,6 +246,8 @@ class Settings:
     rep_ms: int
     cpu_reps: int
     not_run: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    #: The --peers columns of this run (PEER_IMPLS' values).
+    peers: tuple[str, ...] = ()
     #: Timings per cell, taken in rounds in turn over a case's impls; a cell's ``ms`` is
     #: their median (host-bound cells move with the host from one moment to the next).
     rounds: int = 1
@@ -277,16 +287,23 @@ def prepare(case: Case, settings: Settings, modes: list[str]) -> Prepared:
     return Prepared(case, score_mod, mask_mod, masks, inputs, grad_out)
 
 
+def _library_key(impl: str) -> str:
+    """Whose flex_attention (and block mask) an impl calls: "flexattn" or "torch_flex"."""
+    return "flexattn" if impl.startswith("flexattn") else "torch_flex"
+
+
 def _flex_call(impl: str, prepared: Prepared, settings: Settings, mode: str) -> Callable[[], torch.Tensor]:
     """A forward call through the compiled flex_attention of flexattn or torch."""
-    library = flexattn if impl == "flexattn" else torch_flex
+    library = flexattn if _library_key(impl) == "flexattn" else torch_flex
     compiled = torch.compile(library.flex_attention, fullgraph=True, dynamic=False, backend=settings.compile_backend)
     q, k, v = prepared.inputs[mode]
-    block_mask = prepared.masks[impl]
+    block_mask = prepared.masks[_library_key(impl)]
     gqa = prepared.case.H != prepared.case.Hkv
+    options = IMPL_OPTIONS.get(impl)
 
     def call() -> torch.Tensor:
-        return compiled(q, k, v, score_mod=prepared.score_mod, block_mask=block_mask, enable_gqa=gqa)
+        return compiled(q, k, v, score_mod=prepared.score_mod, block_mask=block_mask, enable_gqa=gqa,
+                        kernel_options=options)
 
     return call
 
@@ -449,7 +466,8 @@ def run_cell(impl: str, prepared: Prepared, mode: str, settings: Settings,
     try:
         with warnings.catch_warnings(record=True) as caught, _backend_context(impl):
             warnings.simplefilter("always")
-            forward = _flex_call(impl, prepared, settings, mode) if impl in FLEX_IMPLS else _sdpa_call(prepared, mode)
+            forward = (_flex_call(impl, prepared, settings, mode) if impl in FLEX_IMPLS + settings.peers
+                       else _sdpa_call(prepared, mode))
             if mode == "fwd":
 
                 def step():
@@ -494,7 +512,7 @@ def run_cell(impl: str, prepared: Prepared, mode: str, settings: Settings,
     record["ms"] = ms
     record["ms_rounds"] = [ms]
     record["peak_mem_mib"] = peak
-    if impl in FLEX_IMPLS:
+    if impl in FLEX_IMPLS + settings.peers:
         record["compile_s"] = first_call_s
 
     def timer() -> float:
@@ -546,7 +564,7 @@ def run_case(case: Case, modes: list[str], settings: Settings) -> tuple[dict[str
         records: dict[str, dict[str, Any]] = {}
         timers: dict[str, Callable[[], float]] = {}
         torch._dynamo.reset()
-        for impl in ("torch_flex", "flexattn", "sdpa_flash", "sdpa_cudnn"):
+        for impl in ("torch_flex", "flexattn", "sdpa_flash", "sdpa_cudnn", *settings.peers):
             records[impl], timer = run_cell(impl, prepared, mode, settings, reference)
             if timer is not None:
                 timers[impl] = timer
@@ -611,6 +629,8 @@ def markdown_table(report: dict[str, Any]) -> str:
     """The short table: TFLOP/s per impl, ratio, compile s, peak MiB and max error per (case, mode)."""
     by_key = {(r["case"], r["mode"], r["impl"]): r for r in report["results"]}
     ratios = report["summary"]["ratio"]
+    peers = [p for p in PEER_IMPLS.values() if any(r["impl"] == p for r in report["results"])]
+    flash = "torch_flash" in peers
     modes = [m for m in MODES if any(r["mode"] == m for r in report["results"])]
     dry = " (DRY RUN: tiny shapes, timings meaningless)" if report["settings"].get("dry_run") else ""
     count = report["settings"].get("rounds", 1)
@@ -619,22 +639,28 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"flexattn vs torch flex on {report['gpu']} (torch {report['torch']}, triton {report['triton']}), "
         f"{report['settings']['dtype']}; TFLOP/s over unmasked entries{rounds}{dry}",
         "",
-        "| case | mode | flexattn | torch flex | ratio | SDPA flash | SDPA cuDNN | compile s fa/tf | peak MiB fa/tf | max err |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| case | mode | flexattn | torch flex | ratio | SDPA flash | SDPA cuDNN | compile s fa/tf | peak MiB fa/tf | "
+        "max err |" + "".join(f" {PEER_LABELS[p]} |" for p in peers) + (" flexattn/FLASH |" if flash else ""),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * (len(peers) + flash),
     ]
     for info in report["cases"]:
         for mode in modes:
-            cells = {impl: by_key.get((info["name"], mode, impl)) for impl in IMPLS}
+            cells = {impl: by_key.get((info["name"], mode, impl)) for impl in (*IMPLS, *peers)}
             if not any(cells.values()):
                 continue
             fa, tf = cells["flexattn"] or {}, cells["torch_flex"] or {}
             err = fa.get("max_abs_err")
             err_text = "-" if err is None else f"{err:.1e}" + (" !" if fa.get("err_flag") else "")
+            extra = "".join(f" {_cell_text(cells[p])} |" for p in peers)
+            if flash:
+                fl = cells["torch_flash"] or {}
+                ratio = fa["tflops"] / fl["tflops"] if fa.get("tflops") and fl.get("tflops") else None
+                extra += f" {_fmt(ratio)} |"
             lines.append(
                 f"| {info['name']} | {mode} | {_cell_text(cells['flexattn'])} | {_cell_text(cells['torch_flex'])} | "
                 f"{_fmt(ratios.get(info['name'], {}).get(mode))} | {_cell_text(cells['sdpa_flash'])} | "
                 f"{_cell_text(cells['sdpa_cudnn'])} | {_fmt(fa.get('compile_s'))}/{_fmt(tf.get('compile_s'))} | "
-                f"{_fmt(fa.get('peak_mem_mib'))}/{_fmt(tf.get('peak_mem_mib'))} | {err_text} |"
+                f"{_fmt(fa.get('peak_mem_mib'))}/{_fmt(tf.get('peak_mem_mib'))} | {err_text} |" + extra
             )
     geo, counts = report["summary"]["geomean"], report["summary"]["geomean_count"]
     parts = [f"{m} {_fmt(geo.get(m))} (n={counts.get(m, 0)})" for m in (*modes, "all")]
@@ -741,6 +767,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default 1; 3 or more where calls are host-bound, S <= 2048)")
     parser.add_argument("--part", help="K/N: run only the K-th of N contiguous slices of the selected cases")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
+    parser.add_argument("--peers", default="",
+                        help="extra columns, comma-separated: template (flexattn on its Triton template, beside "
+                             "its default kernel), flash (torch's FLASH backend; ../shared/fa4/ makes it importable)")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="combine result files into one")
     return parser.parse_args(argv)
 
@@ -818,6 +847,14 @@ def merge(paths: list[Path], out_dir: Path, command: str) -> Path:
     return json_path
 
 
+def _peers(spec: str) -> tuple[str, ...]:
+    names = [name for name in spec.split(",") if name]
+    unknown = sorted(set(names) - set(PEER_IMPLS))
+    if unknown:
+        raise SystemExit(f"--peers takes {sorted(PEER_IMPLS)}, got {unknown}")
+    return tuple(PEER_IMPLS[name] for name in names)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the selected cases and modes, write the result files, print the table; returns the report."""
     args = parse_args(argv)
@@ -852,6 +889,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cpu_reps=1,
         not_run=DRY_RUN_NOT_RUN if args.dry_run else {},
         rounds=args.rounds,
+        peers=_peers(args.peers),
     )
     now = datetime.datetime.now()
     report: dict[str, Any] = {

@@ -282,3 +282,17 @@ def test_dropout_benchmark_dry_run(tmp_path, monkeypatch):
     for row in report["rows"]:
         assert set(row["median_ms"]) == set(dropout.DROPOUT.impls), row
         assert row["dropout_over_plain"] > 0 and row["dropout_over_sdpa"] > 0 and row["sdpa_dropout_over_sdpa"] > 0
+
+
+def test_peer_columns_are_opt_in(tmp_path):
+    """--peers adds flexattn on its Triton template and torch's FLASH backend as columns
+    (FLASH is noted as not run on the CPU); without it the run has the four impls."""
+    report = bench.main(["--dry-run", "--cases", "causal_s8192_d128", "--mode", "fwd", "--peers", "template,flash",
+                         "--out", str(tmp_path)])
+    cells = _cells(report)
+    assert cells[("causal_s8192_d128", "fwd", "flexattn_triton")]["tflops"] > 0
+    assert "CUDA GPUs only" in cells[("causal_s8192_d128", "fwd", "torch_flash")]["note"]
+    table = (tmp_path / "latest.md").read_text()
+    assert "flexattn Triton" in table and "torch FLASH" in table and "flexattn/FLASH" in table
+    with pytest.raises(SystemExit, match="--peers takes"):
+        bench.main(["--dry-run", "--peers", "cudnn", "--out", str(tmp_path)])
