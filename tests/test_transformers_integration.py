@@ -32,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402
 
 import flexattn.integrations.transformers as flexattn_hf  # noqa: E402
+from flexattn import _compat  # noqa: E402
 from _harness import ATOL_FLOOR, check_three_way  # noqa: E402
 from conftest import DEVICE  # noqa: E402
 
@@ -225,16 +226,25 @@ def test_torch_block_masks_from_transformers_own_mask_function(flexattn_kernels)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_generate_matches_eager_token_for_token(family, flexattn_kernels):
     """Prompts of 12 (past the sliding window of 6, so the windowed cache layers hold
-    offsets), 6 new tokens, on a batch with a left-padded row and on one without."""
+    offsets), 6 new tokens, on a batch with a left-padded row and on one without, with
+    transformers' default (growing) cache and with a static one. With the static cache
+    the masks are built before each forward and every step has the same shapes: the
+    operator compiles once per layer type for the prompt and once for the steps, not
+    once a token."""
     eager, flex = _eager_and_flex(family)
     for model in (eager, flex):
         model.eval()
-    for padded in (True, False):
+    layer_types = len(set(getattr(flex.config, "layer_types", None) or ["full_attention"]))
+    for padded, cache in ((True, None), (False, None), (True, "static")):
         ids, mask = _batch(12, padded)
-        expected = eager.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-        got = flex.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        generate = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        expected = eager.generate(ids, **generate)
+        graphs = _compat.compiled_graph_count()
+        got = flex.generate(ids, cache_implementation=cache, **generate)
         assert got.shape == (2, 18)
-        assert torch.equal(got, expected), f"padded={padded}:\n{got[:, 12:]}\n!= eager\n{expected[:, 12:]}"
+        assert torch.equal(got, expected), f"padded={padded} cache={cache}:\n{got[:, 12:]}\n!= eager\n{expected[:, 12:]}"
+        if cache == "static":
+            assert _compat.compiled_graph_count() - graphs <= 2 * layer_types
 
 
 # --------------------------------------------------------------------------------------

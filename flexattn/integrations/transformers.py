@@ -10,8 +10,8 @@ for the attention function and ``AttentionMaskInterface`` for the function that 
 each forward's mask. A name found only in the first is taken for a kernel that needs no
 mask, so the model would run with no causal, padding or sliding-window mask at all.
 ``register`` fills both under one name: ``attention_forward`` runs ``flex_attention``
-and ``create_mask`` builds a flexattn ``BlockMask`` from transformers' mask pattern, the
-padding mask and the cache offsets. ``attention_forward`` refuses to run a causal layer
+and ``create_mask`` builds the block mask from transformers' mask pattern, the padding
+mask and the cache offsets. ``attention_forward`` refuses to run a causal layer
 on more than one query with no mask, the sign of the attention function registered
 alone.
 
@@ -191,12 +191,12 @@ def create_mask(
     q_offset: int | Tensor = 0,
     device: Any = None,
     **kwargs: Any,
-) -> BlockMask:
+) -> Any:
     """transformers' mask-function contract, in both of its forms: 4.x passes the
     queries' ``cache_position``, 5.x their ``q_length`` and ``q_offset``.
 
-    Returns the flexattn BlockMask (B = ``batch_size``, one head row) of
-    ``mask_function`` (transformers' causal, sliding-window, chunked, packed-sequence or
+    Returns the BlockMask (B = ``batch_size``, one head row; flexattn's block tables in
+    torch's BlockMask type, see ``_as_torch_block_mask``) of ``mask_function`` (transformers' causal, sliding-window, chunked, packed-sequence or
     bidirectional pattern over absolute positions), restricted to the keys the 2-D
     ``attention_mask`` (B, >= kv_offset + kv_length) marks as real, for ``q_length``
     queries at ``q_offset`` and ``kv_length`` keys at ``kv_offset``. Always a mask, never
@@ -209,25 +209,37 @@ def create_mask(
         q_length, q_offset, device = cache_position.shape[0], cache_position[0], cache_position.device
     if kv_length is None:
         raise TypeError("flexattn: create_mask needs kv_length")
-    pattern = _causal if mask_function is None else mask_function
+    pattern = _with_offsets(_causal if mask_function is None else mask_function, q_offset, kv_offset, device)
     if attention_mask is not None:
-        pattern = _with_padding(pattern, _padding_table(attention_mask, kv_length, kv_offset, device))
-    pattern = _with_offsets(pattern, q_offset, kv_offset)
-    return create_block_mask(pattern, batch_size, None, q_length, kv_length, device=device)
+        pattern = _with_padding(pattern, _local_padding(attention_mask, kv_length, kv_offset, device))
+    return _as_torch_block_mask(create_block_mask(pattern, batch_size, None, q_length, kv_length, device=device))
+
+
+def _as_torch_block_mask(mask: BlockMask) -> Any:
+    """flexattn's block tables in torch's BlockMask type (shared, not copied):
+    transformers tells a ready mask from a 2-D padding mask by that type (generate with
+    a static cache builds the masks before the forward), and flex_attention takes it as
+    its own."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    return TorchBlockMask(mask.seq_lengths, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                          mask.full_kv_indices, mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks,
+                          mask.full_q_indices, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod)
 
 
 def _causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-def _padding_table(attention_mask: Tensor, kv_length: int, kv_offset: int | Tensor, device: Any) -> Tensor:
-    """The 2-D padding mask as bools on ``device``, padded with False on the right to
-    cover every key position the call reads (a static cache can be longer than it)."""
+def _local_padding(attention_mask: Tensor, kv_length: int, kv_offset: int | Tensor, device: Any) -> Tensor:
+    """The 2-D padding mask's entries for this call's keys, (B, kv_length) bools: keys
+    ``kv_offset ..`` of the mask, False past its end (a static cache can be longer than
+    it). Its shape follows the call's, not the mask's, which grows by one each
+    generated token."""
     table = attention_mask.to(device=device if device is not None else attention_mask.device, dtype=torch.bool)
-    missing = kv_length + kv_offset - table.shape[-1]
-    if isinstance(missing, Tensor) or missing > 0:
-        table = torch.nn.functional.pad(table, (0, max(int(missing), 0)))
-    return table
+    positions = torch.arange(kv_length, device=table.device) + kv_offset
+    inside = positions < table.shape[-1]
+    return table[:, positions.clamp(max=table.shape[-1] - 1)] & inside
 
 
 def _with_padding(pattern: Callable, padding: Tensor) -> Callable:
@@ -237,8 +249,14 @@ def _with_padding(pattern: Callable, padding: Tensor) -> Callable:
     return padded
 
 
-def _with_offsets(pattern: Callable, q_offset: int | Tensor, kv_offset: int | Tensor) -> Callable:
-    """``pattern`` over absolute positions, read with the call's (local) indices."""
+def _with_offsets(pattern: Callable, q_offset: int | Tensor, kv_offset: int | Tensor, device: Any) -> Callable:
+    """``pattern`` over absolute positions, read with the call's (local) indices. Offsets
+    go in as tensors the mask reads, not as constants of its code: a cache's offsets
+    change every step, and each new constant would compile the operator again."""
+    if not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor) and q_offset == kv_offset == 0:
+        return pattern
+    q_offset, kv_offset = (torch.as_tensor(offset, device=device) for offset in (q_offset, kv_offset))
+
     def offset(b, h, q_idx, kv_idx):
         return pattern(b, h, q_idx + q_offset, kv_idx + kv_offset)
 
