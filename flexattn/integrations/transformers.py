@@ -219,7 +219,7 @@ def _as_torch_block_mask(mask: BlockMask) -> Any:
     """flexattn's block tables in torch's BlockMask type (shared, not copied):
     transformers tells a ready mask from a 2-D padding mask by that type (generate with
     a static cache builds the masks before the forward), and flex_attention takes it as
-    its own."""
+    its own (bench/DECISIONS.md#transformers-torch-block-mask)."""
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
     return TorchBlockMask(mask.seq_lengths, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
@@ -252,7 +252,8 @@ def _with_padding(pattern: Callable, padding: Tensor) -> Callable:
 def _with_offsets(pattern: Callable, q_offset: int | Tensor, kv_offset: int | Tensor, device: Any) -> Callable:
     """``pattern`` over absolute positions, read with the call's (local) indices. Offsets
     go in as tensors the mask reads, not as constants of its code: a cache's offsets
-    change every step, and each new constant would compile the operator again."""
+    change every step, and each new constant would compile the operator again
+    (bench/DECISIONS.md#transformers-mask-shapes)."""
     if not isinstance(q_offset, Tensor) and not isinstance(kv_offset, Tensor) and q_offset == kv_offset == 0:
         return pattern
     q_offset, kv_offset = (torch.as_tensor(offset, device=device) for offset in (q_offset, kv_offset))
