@@ -76,7 +76,7 @@ def _llama_config(**extra):
 
 
 def _gemma2_config(**extra):
-    # Scores of a few units (scaling 2 / sqrt(16) * 4 on small weights, softcap 1): the tanh bends them.
+    # Scaling 1 (query_pre_attn_scalar=1) on the enlarged q/k weights: scores of a few units, which a cap of 1 bends.
     return transformers.Gemma2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, query_pre_attn_scalar=1,
