@@ -6,8 +6,8 @@
 # does not pick whatever is newest; whether that is a CPU or a CUDA build is up to the
 # index pip uses: this project's CI machines resolve it to a CPU build); a machine that
 # has torch (the GPU image: 2.11) keeps it. Then `pip install -e .` (with `test`, the
-# [test] extra: pytest, pytest-xdist, numpy, pyflakes, sphinx, and transformers for the
-# client test of tests/test_transformers_client.py).
+# [test] extra: pytest, pytest-xdist, numpy, pyflakes, sphinx, and transformers for
+# tests/test_transformers_integration.py; an installed 4.57 or 5.x is kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -14,6 +14,7 @@ import pytest
 import flexattn
 from flexattn import mods
 import flexattn.distributed as flexattn_distributed
+import flexattn.integrations.transformers as flexattn_transformers
 
 
 def _import_inventory_file():
@@ -54,6 +55,7 @@ def test_api_reference_builds_and_covers_every_public_name(tmp_path):
     expected |= {f"flexattn.BlockMask.{name}" for name in _public_methods(flexattn.BlockMask)}
     expected |= {f"flexattn.PagedKVCache.{name}" for name in _public_methods(flexattn.PagedKVCache)}
     expected |= {f"flexattn.distributed.{name}" for name in flexattn_distributed.__all__}
+    expected |= {f"flexattn.integrations.transformers.{name}" for name in flexattn_transformers.__all__}
     missing = sorted(expected - documented)
     assert not missing, f"public names without an API reference entry: {missing}"
     assert (tmp_path / "kernel_options.html").exists()
