@@ -178,7 +178,7 @@ def dynamo_hop_support():
 
     return types.SimpleNamespace(
         TorchHigherOrderOperatorVariable=hoo.TorchHigherOrderOperatorVariable,
-        speculate_subgraph=hoo.speculate_subgraph,
+        speculate_subgraph=_lenient_speculate_subgraph(hoo.speculate_subgraph),
         discard_graph_changes=hoo.discard_graph_changes,
         make_attr=hoo.make_attr,
         name_to_variable_class=hoo._hop_name_to_variable_class,
@@ -186,6 +186,23 @@ def dynamo_hop_support():
         proxy_args_kwargs=proxy_args_kwargs,
         TupleVariable=TupleVariable,
     )
+
+
+#: ``speculate_subgraph``'s switches that let a subgraph mutate or alias its inputs. They
+#: default to on up to torch 2.14 and to off from 2.15, where a score_mod returning its
+#: score unchanged (an output aliasing an input) is then refused.
+_SPECULATE_LENIENCY = ("supports_input_mutation", "supports_aliasing", "supports_input_input_aliasing")
+
+
+def _lenient_speculate_subgraph(speculate):
+    """``speculate`` with mutation and aliasing allowed wherever it has the switch: a mod's
+    subgraph is inlined into a kernel, so aliasing is harmless, and flexattn rejects a
+    mutating mod itself with its own error (``_dynamo_capture._reject_mutation``)."""
+    import functools
+    import inspect
+
+    accepted = inspect.signature(speculate).parameters
+    return functools.partial(speculate, **{name: True for name in _SPECULATE_LENIENCY if name in accepted})
 
 
 def selective_checkpoint_modes() -> tuple[type, ...]:
