@@ -44,6 +44,7 @@ lowering shims, template workspaces.
 from __future__ import annotations
 
 import os
+import re
 import types
 from typing import Any
 
@@ -298,6 +299,7 @@ def load_cpp_library(source: str):
 
 #: Every public name of this module, those of the sections below included.
 __all__ = [
+    "BLOCK_MASK_INDEXING_PACKS_QUERIES",
     "DispatchKey",
     "FakeTensorMode",
     "HigherOrderOperator",
@@ -414,6 +416,17 @@ def compile_gluon_kernels_as_gluon() -> None:
             return (GluonASTSource if is_gluon is not None and is_gluon() else base)(fn, *args, **kwargs)
 
     triton_heuristics.ASTSource = GluonAwareSource
+
+
+# --------------------------------------------------------------------------------------
+# Public behaviour of torch that differs between releases (flexattn follows the installed one)
+# --------------------------------------------------------------------------------------
+#: The installed torch's (major, minor) release.
+_TORCH_RELEASE = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+
+#: Whether indexing a BlockMask along query blocks gives the result the query length of
+#: the blocks it keeps (torch 2.14 on) rather than the whole mask's (up to 2.13).
+BLOCK_MASK_INDEXING_PACKS_QUERIES = _TORCH_RELEASE >= (2, 14)
 
 
 # --------------------------------------------------------------------------------------
