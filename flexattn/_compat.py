@@ -194,8 +194,9 @@ def dynamo_hop_support():
 
 
 #: ``speculate_subgraph``'s switches that let a subgraph mutate or alias its inputs. They
-#: default to on up to torch 2.14 and to off from 2.15, where a score_mod returning its
-#: score unchanged (an output aliasing an input) is then refused.
+#: default to on up to torch 2.14 and to off from 2.15, which then refuses a score_mod
+#: returning its score unchanged (an output aliasing an input) and mods closing over views
+#: of one tensor (inputs aliasing each other).
 _SPECULATE_LENIENCY = ("supports_input_mutation", "supports_aliasing", "supports_input_input_aliasing")
 
 
