@@ -1,8 +1,8 @@
 """The torch and Triton internals flexattn uses outside its lowering, in one place.
 
-flexattn supports torch 2.11 (the GPU image) and torch 2.13 (CI). Private APIs move
-between releases, so a module of flexattn outside ``lowering/`` reaches them only
-through the names here; a version bump is then one file to fix.
+flexattn supports torch 2.11 (the GPU image) to 2.15 (CI runs 2.13, 2.14 and 2.15).
+Private APIs move between releases, so a module of flexattn outside ``lowering/``
+reaches them only through the names here; a version bump is then one file to fix.
 
 What counts as private: a dotted name under ``torch`` or ``triton`` with a component that
 starts with an underscore (``torch._C``, ``torch.utils._pytree``, ``triton._C``; dunders
@@ -15,7 +15,7 @@ Nothing is whitelisted: where torch has a public spelling flexattn uses it
 
 What the lint cannot see: internals reached through objects torch hands to flexattn
 rather than through a module path. These come with the names exported here and have the
-same spelling in 2.11 and 2.13 (``tests/test_capture.py`` and ``tests/test_reference.py``
+same spelling in 2.11 to 2.15 (``tests/test_capture.py`` and ``tests/test_reference.py``
 exercise them):
 
 * ``HigherOrderOperator``: ``py_impl``, ``py_functionalize_impl``, ``_name``; the
@@ -29,22 +29,27 @@ exercise them):
   key's ``vt``.
 
 The lowering (``lowering/``, with the Triton templates it renders) is exempt: it is
-Inductor plugin code, written against ``torch._inductor`` throughout. The last two
-sections here hold the pieces of it that differ between torch versions or need a shim
-under Triton's interpreter.
+Inductor plugin code, written against ``torch._inductor`` throughout. The sections of
+lowering shims and template workspaces hold the pieces of it that differ between torch
+versions or need a shim under Triton's interpreter.
 
-Version differences handled here: ``autotune_select_node`` (2.13 returns ``(node,
+Version differences handled here: ``autotune_select_node`` (2.13 on returns ``(node,
 choice)``, 2.11 the node), ``share_template_workspace`` (2.11 sizes the benchmark
 workspace in bytes of ``count``), ``float32_matmul_allows_tf32`` (the ``fp32_precision``
-setting where it exists). Every other name has the same spelling in both versions.
+setting where it exists), ``dynamo_hop_support().speculate_subgraph`` (2.15 refuses a
+subgraph that aliases or mutates its inputs unless told otherwise),
+``BLOCK_MASK_INDEXING_PACKS_QUERIES`` (2.14 on, a BlockMask indexed along query blocks
+gets the kept blocks' query length; flexattn's BlockMask follows the installed torch).
+Every other name has the same spelling in 2.11, 2.13, 2.14 and 2.15 (2.12 is not tested).
 
 Sections: HOP and tracing utilities, Dynamo internals, Inductor/Triton plumbing,
-lowering shims, template workspaces.
+lowering shims, public behaviour that differs between releases, template workspaces.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import types
 from typing import Any, Callable
 
@@ -67,7 +72,7 @@ from torch._dispatch.python import suspend_functionalization  # noqa: E402
 import torch.utils._pytree as _pytree  # noqa: E402
 
 #: The three pytree functions flexattn uses (``torch.utils._pytree`` has no public
-#: counterpart in 2.11 or 2.13); a namespace, so that a new use must be added here.
+#: counterpart in 2.11 to 2.15); a namespace, so that a new use must be added here.
 pytree = types.SimpleNamespace(
     tree_map=_pytree.tree_map,
     register_pytree_node=_pytree.register_pytree_node,
@@ -179,7 +184,7 @@ def dynamo_hop_support():
 
     return types.SimpleNamespace(
         TorchHigherOrderOperatorVariable=hoo.TorchHigherOrderOperatorVariable,
-        speculate_subgraph=hoo.speculate_subgraph,
+        speculate_subgraph=_lenient_speculate_subgraph(hoo.speculate_subgraph),
         discard_graph_changes=hoo.discard_graph_changes,
         make_attr=hoo.make_attr,
         name_to_variable_class=hoo._hop_name_to_variable_class,
@@ -187,6 +192,24 @@ def dynamo_hop_support():
         proxy_args_kwargs=proxy_args_kwargs,
         TupleVariable=TupleVariable,
     )
+
+
+#: ``speculate_subgraph``'s switches that let a subgraph mutate or alias its inputs. They
+#: default to on up to torch 2.14 and to off from 2.15, which then refuses a score_mod
+#: returning its score unchanged (an output aliasing an input) and mods closing over views
+#: of one tensor (inputs aliasing each other).
+_SPECULATE_LENIENCY = ("supports_input_mutation", "supports_aliasing", "supports_input_input_aliasing")
+
+
+def _lenient_speculate_subgraph(speculate):
+    """``speculate`` with mutation and aliasing allowed wherever it has the switch: a mod's
+    subgraph is inlined into a kernel, so aliasing is harmless, and flexattn rejects a
+    mutating mod itself with its own error (``_dynamo_capture._reject_mutation``)."""
+    import functools
+    import inspect
+
+    accepted = inspect.signature(speculate).parameters
+    return functools.partial(speculate, **{name: True for name in _SPECULATE_LENIENCY if name in accepted})
 
 
 def selective_checkpoint_modes() -> tuple[type, ...]:
@@ -305,6 +328,7 @@ def inductor_cache_dir() -> str:
 
 #: Every public name of this module, those of the sections below included.
 __all__ = [
+    "BLOCK_MASK_INDEXING_PACKS_QUERIES",
     "DispatchKey",
     "FakeTensorMode",
     "HigherOrderOperator",
@@ -355,7 +379,7 @@ def float32_matmul_allows_tf32() -> bool:
 
 
 def autotune_select_node(name, choices, input_nodes, layout, input_gen_fns=None):
-    """``autotune_select_algorithm``'s chosen output node. torch 2.13 returns
+    """``autotune_select_algorithm``'s chosen output node. torch 2.13 on returns
     ``(node, choice)``, torch 2.11 the node alone."""
     from torch._inductor.select_algorithm import autotune_select_algorithm
 
@@ -425,6 +449,17 @@ def compile_gluon_kernels_as_gluon() -> None:
 
 
 # --------------------------------------------------------------------------------------
+# Public behaviour of torch that differs between releases (flexattn follows the installed one)
+# --------------------------------------------------------------------------------------
+#: The installed torch's (major, minor) release.
+_TORCH_RELEASE = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+
+#: Whether indexing a BlockMask along query blocks gives the result the query length of
+#: the blocks it keeps (torch 2.14 on) rather than the whole mask's (up to 2.13).
+BLOCK_MASK_INDEXING_PACKS_QUERIES = _TORCH_RELEASE >= (2, 14)
+
+
+# --------------------------------------------------------------------------------------
 # Template workspaces (the decode kernel's tile counters)
 # --------------------------------------------------------------------------------------
 def graph_zeroed_workspace(count, device: torch.device, outer_name: str, inner_name: str, dtype: torch.dtype):
@@ -441,14 +476,14 @@ def graph_zeroed_workspace(count, device: torch.device, outer_name: str, inner_n
 def share_template_workspace(choice, workspace) -> None:
     """Let the kernels rendered from template ``choice`` use ``workspace`` under its own name.
 
-    ``TritonTemplate.generate`` (torch 2.11 and 2.13) gives each rendered kernel a fresh
+    ``TritonTemplate.generate`` (torch 2.11 to 2.15) gives each rendered kernel a fresh
     workspace name, so that no two kernels share a workspace buffer; for a
     ZERO_PER_GRAPH workspace that means an allocation and a zeroing kernel per call. Here
     the rendered kernel gets ``workspace`` back, so every kernel of a graph naming it
     shares one buffer, zeroed once per graph call.
 
     Also: torch 2.11 sizes the autotuning benchmark's workspace as ``count`` bytes
-    (whatever the dtype, and unhinted when symbolic); 2.13 as hint(count) * itemsize,
+    (whatever the dtype, and unhinted when symbolic); 2.13 on as hint(count) * itemsize,
     which is set here for both.
     """
     import dataclasses

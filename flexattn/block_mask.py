@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._compat import pytree
+from ._compat import BLOCK_MASK_INDEXING_PACKS_QUERIES, pytree
 from ._mask_tuple import BLOCK_TABLE_FIELDS
 from .block_tables import (BlockMaskArgumentError, block_grid, block_kinds, block_size_pair, cdiv,
                            check_kv_lists, check_listed_kv_ids, check_pair, crop_tables, flags_from_lists,
@@ -130,6 +130,16 @@ def sliced_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tens
         "batches, heads and query blocks, so it has no valid mask_mod. Assign one that "
         "matches the sliced layout: sliced.mask_mod = my_mask_mod_for_the_slice"
     )
+
+
+def _kept_query_length(entry: Any, kept_blocks: int, block_size: int, query_length: int, num_blocks: int) -> int:
+    """The query length of the rows a BlockMask index keeps, from its query-block entry
+    (an int arrives as a one-block slice): for a slice, each kept block's tokens, a block
+    hanging over ``query_length`` clipped there; for an index tensor or list, whose values
+    are not read (no device sync), ``kept_blocks`` whole blocks."""
+    if not isinstance(entry, slice):
+        return kept_blocks * block_size
+    return sum(max(0, min(block_size, query_length - i * block_size)) for i in range(num_blocks)[entry])
 
 
 def _resolve_device(device: Any) -> torch.device:
@@ -408,19 +418,27 @@ class BlockMask:
 
         ``index`` is up to three entries (batch, head, query block), each an int, a
         slice or an index tensor. Ints keep their dim (size 1). The result's mask_mod is
-        a placeholder that raises, because indices are renumbered.
+        a placeholder that raises, because indices are renumbered. Its query length is,
+        as the installed torch's (``_compat.BLOCK_MASK_INDEXING_PACKS_QUERIES``), either
+        that of the query blocks kept (``_kept_query_length``) or the whole mask's.
         """
         where = row_selection(index, self.kv_num_blocks)
         full_num = self.full_kv_num_blocks[where] if self.full_kv_num_blocks is not None else None
         full_idx = self.full_kv_indices[where] if self.full_kv_indices is not None else None
+        kv_indices = self.kv_indices[where]
+        seq_lengths = self.seq_lengths
+        if BLOCK_MASK_INDEXING_PACKS_QUERIES:
+            kept = _kept_query_length(where[2], kv_indices.shape[-2], self.BLOCK_SIZE[0], self.seq_lengths[0],
+                                      self.kv_num_blocks.shape[2])
+            seq_lengths = (kept, self.seq_lengths[1])
         return BlockMask.from_kv_blocks(
             self.kv_num_blocks[where],
-            self.kv_indices[where],
+            kv_indices,
             full_num,
             full_idx,
             BLOCK_SIZE=self.BLOCK_SIZE,
             mask_mod=sliced_mask_mod,
-            seq_lengths=self.seq_lengths,
+            seq_lengths=seq_lengths,
             compute_q_blocks=self.q_indices is not None,
         )
 

@@ -253,6 +253,14 @@ def test_an_empty_query_gives_an_empty_mask_and_empty_results():
 
 def test_default_device_is_accelerator_or_cpu():
     expected = torch.accelerator.current_accelerator() or torch.device("cpu")
+    if not torch.accelerator.is_available() and expected.type != "cpu":
+        # A torch built for an accelerator on a machine without one (a CUDA wheel on a CPU
+        # host): the default is that accelerator all the same, as torch's, and unusable.
+        with pytest.raises(RuntimeError):
+            torch_flex.create_block_mask(causal_mask, 1, 1, 64, 64)
+        with pytest.raises(RuntimeError):
+            create_block_mask(causal_mask, 1, 1, 64, 64)
+        return
     mask = create_block_mask(causal_mask, 1, 1, 64, 64)
     assert mask.kv_indices.device.type == torch.device(expected).type
 
@@ -855,3 +863,21 @@ def test_create_mask_and_create_block_mask_tell_mods_apart_under_torch_compile()
         assert torch.equal(traced, create_mask(mod, 2, 1, 100, 70, device=CPU))
     with pytest.raises(TypeError, match="bias_or_mask takes 5, i.e. it is a score_mod"):
         torch.compile(create_block_mask, backend="eager")(bias_or_mask, 2, 1, 100, 70, device=CPU)
+
+
+@pytest.mark.parametrize("entry", [slice(None), slice(2, 5), slice(4, None), slice(5, 6), slice(None, None, 2),
+                                   slice(1, None, 2), slice(3, 3), slice(2, 9)])
+@pytest.mark.parametrize("num_blocks", [6, 8])
+def test_kept_query_length_counts_the_kept_rows(entry, num_blocks):
+    """The query length of a query-block slice (torch 2.14 on) is the number of query
+    positions below the mask's length in the kept blocks; blocks past the end count none."""
+    block, length = 128, 700
+    positions = torch.arange(num_blocks * block).view(num_blocks, block)[entry]
+    kept = bm._kept_query_length(entry, positions.shape[0], block, length, num_blocks)
+    assert kept == int((positions < length).sum())
+
+
+def test_kept_query_length_of_an_index_tensor_is_whole_blocks():
+    """An index tensor's values are not read (no device sync): its rows count as whole
+    blocks, the last block's included."""
+    assert bm._kept_query_length(torch.tensor([0, 5]), 2, 128, 700, 6) == 2 * 128

@@ -157,6 +157,28 @@ def test_mutating_score_mod_is_rejected_with_flexattns_error_on_top(way):
     assert isinstance(caught.value, RuntimeError)
 
 
+def test_mods_closing_over_views_of_one_tensor():
+    """A mask_mod and a score_mod whose captured tensors share storage (a table and a view
+    of it) compile whole: the lifted inputs alias each other, which is harmless in a mod."""
+    q, k, v = _qkv(L=32, S=32)
+    ids = torch.arange(64).div(8, rounding_mode="floor")
+    first, second = ids[:32], ids[32:]
+    table = torch.randn(4, 64)
+    row = table[1]
+
+    def mask_mod(b, h, qi, ki):
+        return first[qi] == second[ki] - 4
+
+    def score_mod(score, b, h, qi, ki):
+        return score + table[h, ki] - row[qi]
+
+    block_mask = flexattn.create_block_mask(mask_mod, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+    compiled = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, score_mod, block_mask),
+                             backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), flexattn.flex_attention(q, k, v, score_mod, block_mask),
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("way", ["fullgraph", "graph_breaks_allowed", "eager"])
 def test_reducing_score_mod_is_rejected_with_flexattns_error_on_top(way):
     q, k, v = _qkv()

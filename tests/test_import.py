@@ -60,3 +60,39 @@ def test_every_public_name_has_a_docstring_of_its_own():
                 if not attribute.startswith("_") and callable(function) and not function.__doc__:
                     missing.append(f"{module.__name__}.{name}.{attribute}")
     assert not missing, f"public names without a docstring: {missing}"
+
+
+NO_TRITON_PROBE = """
+import importlib.util
+import torch
+import flexattn
+from flexattn import mods
+assert importlib.util.find_spec("triton") is None, "triton is importable"
+q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+block_mask = flexattn.create_block_mask(mods.causal_mask, None, None, 64, 64, device="cpu")
+out = torch.compile(flexattn.flex_attention)(q, k, v, block_mask=block_mask)
+expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+def test_cpu_engine_needs_no_triton(tmp_path):
+    """A CPU user need not install Triton (flexattn does not depend on it): with no triton
+    importable, ``import flexattn`` and a compiled call on the C++ engine work. The child
+    sees the packages of torch's site-packages, linked one by one, minus Triton's."""
+    import os
+    from pathlib import Path
+
+    site = Path(torch.__file__).resolve().parents[1]
+    visible = tmp_path / "site"
+    visible.mkdir()
+    for entry in site.iterdir():
+        if entry.name.split("-")[0].split(".")[0] != "triton":
+            (visible / entry.name).symlink_to(entry)
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env["PYTHONPATH"] = os.pathsep.join((str(root), str(visible)))
+    run = subprocess.run([sys.executable, "-S", "-c", NO_TRITON_PROBE], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]

@@ -1,6 +1,7 @@
 """The suite's own switches for device calls (tests/conftest.py): FLEXATTN_PROGRESS_LOG
 writes one line per finished test, FLEXATTN_RESUME drops what such logs finished, and
-FLEXATTN_SHARD splits the rest."""
+FLEXATTN_SHARD splits the rest; and the release subset CI runs on a second torch release
+(tests/release_subset.txt)."""
 
 import os
 import subprocess
@@ -53,3 +54,28 @@ def test_progress_log_has_one_line_per_test_under_xdist(tmp_path):
     ids = [line.split(" ", 3)[3] for line in log.read_text().splitlines()]
     assert ids and len(ids) == len(set(ids)), "a test logged twice"
     assert all(nodeid.startswith(target + "::") for nodeid in ids)
+
+
+#: What the release subset must keep covering (tests/release_subset.txt says why each).
+RELEASE_SUBSET_MUST_HOLD = {"tests/test_capture.py", "tests/test_forward.py", "tests/test_backward.py",
+                            "tests/test_decode.py", "tests/test_cpu_engine.py", "tests/test_dynamic.py",
+                            "tests/test_validation.py", "tests/test_block_mask.py"}
+
+
+def release_subset() -> list[str]:
+    """The paths of tests/release_subset.txt, in order (what .ci/other_release.sh runs)."""
+    lines = (line.split("#", 1)[0].strip() for line in (ROOT / "tests" / "release_subset.txt").read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def test_release_subset_is_collected():
+    """Every file of the release subset exists and collects tests, and the subset keeps
+    the areas it is there for."""
+    paths = release_subset()
+    assert len(paths) == len(set(paths)), "a path listed twice"
+    assert RELEASE_SUBSET_MUST_HOLD <= set(paths), RELEASE_SUBSET_MUST_HOLD - set(paths)
+    missing = [p for p in paths if not (ROOT / p).is_file()]
+    assert not missing, missing
+    collected = [line.split("::", 1)[0] for line in _pytest(*paths, "--collect-only").splitlines() if "::" in line]
+    empty = [p for p in paths if p not in collected]
+    assert not empty, f"collect no tests: {empty}"
