@@ -141,7 +141,9 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         pinned_tiles=pinned,
         backend=_options.read(kernel_options, "BACKEND"),
     )
-    if inputs.backend == "TRITON" or _gluon_obstacle(inputs) is not None:
+    if plan_forward(inputs).kernel != "gluon":
+        # Only a call the Gluon kernel would take has its inputs realized here; the
+        # Triton template's calls reach their lowering as they came.
         return inputs, (query, key, value)
     nodes = tuple(common.realize_fixed(node) for node in (query, key, value))
     obstacle = None
