@@ -247,7 +247,7 @@ def test_greedy_generate_matches_eager_token_for_token(family, flexattn_kernels)
             compiled = _compat.compiled_graph_count() - graphs
             if compiled > 2 * layer_types and family == "gpt_oss" and DEVICE == "cuda":
                 pytest.xfail(f"gpt-oss with a static cache compiles {compiled} graphs over 6 steps on the GPU "
-                             "(seen on an H200; the sinks' layers recompile per step: open work)")
+                             "(seen on an H200; the cause is not found yet: open work)")
             assert compiled <= 2 * layer_types
 
 
