@@ -287,6 +287,24 @@ def prepare_call(query, key, value, score_graph, block_mask, kernel_options, sco
     )
 
 
+def forward_outputs(query) -> tuple:
+    """The (B, Hq, L) lse and row-max buffers a forward kernel writes in place."""
+    B, Hq, L, _ = query.get_size()
+    dtype = stats_dtype(query.get_dtype())
+    return dense_buffer([B, Hq, L], query.get_device(), dtype), dense_buffer([B, Hq, L], query.get_device(), dtype)
+
+
+def forward_kernel_inputs(call: PreparedCall, lse, row_max, sinks, dropout_seed) -> dict[str, Any]:
+    """A forward kernel's inputs by name, in the order of forward.py.jinja's def_kernel
+    (gluon_forward.py.jinja's too)."""
+    tables = call.tables
+    return {"query": call.query, "key": call.key, "value": call.value, "lse": lse, "row_max": row_max,
+            "kv_num_blocks": tables.kv_num_blocks, "kv_indices": tables.kv_indices,
+            "full_kv_num_blocks": tables.full_kv_num_blocks, "full_kv_indices": tables.full_kv_indices,
+            "sinks": sinks_for_kernel(sinks, call.query),
+            "seed": seed_for_kernel(dropout_seed, call.query.get_device())}
+
+
 def captured_inputs(call: PreparedCall) -> list:
     """The captured tensors a template reads, after its own inputs."""
     return [b for b in (*call.score_mod_buffers, *call.mask_mod_buffers) if isinstance(b, ir.IRNode)]

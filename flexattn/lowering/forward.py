@@ -15,7 +15,6 @@ from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
 
 from .. import _compat
-from ..numerics import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .configs import base as config_base
@@ -52,7 +51,6 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
     kernel_options = dict(kernel_options or {})
     device = query.get_device()
     dtype = query.get_dtype()
-    B, Hq, L, _ = query.get_size()
     call = common.prepare_call(query, key, value, score_mod, block_mask, kernel_options, score_mod_buffers,
                                mask_mod_buffers)
     query, key, value = call.query, call.key, call.value
@@ -68,8 +66,7 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
     spec.update(common.dropout_specialisations(kernel_options))
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     # The kernel writes lse and row_max in place: the template's extra outputs.
-    lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
-    row_max = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
+    lse, row_max = common.forward_outputs(query)
 
     mask_reads_memory = any(isinstance(b, ir.IRNode) for b in call.mask_mod_buffers)
     candidates = forward_configs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
@@ -84,12 +81,7 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
     )
 
     tables = call.tables
-    # The order of forward.py.jinja's def_kernel.
-    inputs = {"query": query, "key": key, "value": value, "lse": lse, "row_max": row_max,
-              "kv_num_blocks": tables.kv_num_blocks, "kv_indices": tables.kv_indices,
-              "full_kv_num_blocks": tables.full_kv_num_blocks, "full_kv_indices": tables.full_kv_indices,
-              "sinks": common.sinks_for_kernel(sinks, query),
-              "seed": common.seed_for_kernel(dropout_seed, device)}
+    inputs = common.forward_kernel_inputs(call, lse, row_max, sinks, dropout_seed)
     input_nodes = list(inputs.values())
     choices, config_of_choice = common.template_choices(
         forward_template, usable, "forward",

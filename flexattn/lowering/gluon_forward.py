@@ -15,7 +15,6 @@ from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn
 
 from .. import _compat
-from ..numerics import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .configs import gluon_forward as gluon_configs
@@ -43,8 +42,6 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
     started = time.perf_counter()
     _compat.compile_gluon_kernels_as_gluon()  # for the autotuner's compiles in this process
     kernel_options = dict(kernel_options or {})
-    device = query.get_device()
-    B, Hq, L, _ = query.get_size()
     call = common.prepare_call(query, key, value, score_mod, block_mask, kernel_options, score_mod_buffers,
                                mask_mod_buffers)
     query, key, value = call.query, call.key, call.value
@@ -58,16 +55,9 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
     usable = gluon_configs.candidate_configs(spec["QK_HEAD_DIM"], spec["V_HEAD_DIM"], query.get_dtype().itemsize,
                                              bool(inductor_config.max_autotune), call.sparse_kv)
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
-    lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
-    row_max = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
-
+    lse, row_max = common.forward_outputs(query)
     tables = call.tables
-    # The order of gluon_forward.py.jinja's def_kernel (forward.py.jinja's).
-    inputs = {"query": query, "key": key, "value": value, "lse": lse, "row_max": row_max,
-              "kv_num_blocks": tables.kv_num_blocks, "kv_indices": tables.kv_indices,
-              "full_kv_num_blocks": tables.full_kv_num_blocks, "full_kv_indices": tables.full_kv_indices,
-              "sinks": common.sinks_for_kernel(sinks, query),
-              "seed": common.seed_for_kernel(None, device)}
+    inputs = common.forward_kernel_inputs(call, lse, row_max, sinks, None)
     input_nodes = list(inputs.values())
     choices, config_of_choice = common.template_choices(
         gluon_forward_template, usable, "Gluon forward",
