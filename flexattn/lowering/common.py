@@ -305,6 +305,26 @@ def forward_kernel_inputs(call: PreparedCall, lse, row_max, sinks, dropout_seed)
             "seed": seed_for_kernel(dropout_seed, call.query.get_device())}
 
 
+def select_forward(template, template_name: str, usable, what: str, constexprs_of, call: PreparedCall,
+                   inputs: dict[str, Any], layout, lse, row_max) -> tuple:
+    """A forward template's choices (one per usable configuration, ``constexprs_of(cfg)``
+    their constexprs) handed to Inductor's autotuner: (the chosen output node, the map
+    from choices to configurations that ``report_choice`` reads)."""
+    input_nodes = list(inputs.values())
+    choices, config_of_choice = template_choices(
+        template, usable, what, constexprs_of,
+        input_nodes=input_nodes,
+        layout=layout,
+        subgraphs=[call.score_buffer, call.mask_buffer],
+        mutated_inputs=[lse, row_max],
+        call_sizes=call.query.get_size(),
+    )
+    out = _compat.autotune_select_node(
+        template_name, choices, input_nodes + captured_inputs(call), layout,
+        input_gen_fns=benchmark_table_inputs(inputs, call.tables, call.has_full_blocks))
+    return out, config_of_choice
+
+
 def captured_inputs(call: PreparedCall) -> list:
     """The captured tensors a template reads, after its own inputs."""
     return [b for b in (*call.score_mod_buffers, *call.mask_mod_buffers) if isinstance(b, ir.IRNode)]

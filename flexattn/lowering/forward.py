@@ -14,7 +14,6 @@ from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
 
-from .. import _compat
 from ..templates import kernel_source
 from . import common
 from .configs import base as config_base
@@ -80,24 +79,14 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
                         + gathered_tile_bytes(call.mask_graph.graph_module, len(MASK_MOD_ARGS))),
     )
 
-    tables = call.tables
     inputs = common.forward_kernel_inputs(call, lse, row_max, sinks, dropout_seed)
-    input_nodes = list(inputs.values())
-    choices, config_of_choice = common.template_choices(
-        forward_template, usable, "forward",
+    out, config_of_choice = common.select_forward(
+        forward_template, TEMPLATE_NAME, usable, "forward",
         lambda cfg: {**spec,
                      "IS_DIVISIBLE_M": common.divisible(query.get_size()[2], cfg.block_m),
                      "IS_DIVISIBLE_N": common.divisible(key.get_size()[2], call.sparse_kv),
                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "ONE_KV_LOOP": cfg.one_kv_loop},
-        input_nodes=input_nodes,
-        layout=layout,
-        subgraphs=[call.score_buffer, call.mask_buffer],
-        mutated_inputs=[lse, row_max],
-        call_sizes=query.get_size(),
-    )
-    out = _compat.autotune_select_node(
-        TEMPLATE_NAME, choices, input_nodes + common.captured_inputs(call), layout,
-        input_gen_fns=common.benchmark_table_inputs(inputs, tables, call.has_full_blocks))
+        call, inputs, layout, lse, row_max)
 
     common.report_choice("forward", out, config_of_choice, usable, spec, common.REPORTED_SPECIALISATIONS,
                          query, key, value, kernel_options, started=started)

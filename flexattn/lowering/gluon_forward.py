@@ -56,24 +56,14 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
                                              bool(inductor_config.max_autotune), call.sparse_kv)
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     lse, row_max = common.forward_outputs(query)
-    tables = call.tables
     inputs = common.forward_kernel_inputs(call, lse, row_max, sinks, None)
-    input_nodes = list(inputs.values())
-    choices, config_of_choice = common.template_choices(
-        gluon_forward_template, usable, "Gluon forward",
+    out, config_of_choice = common.select_forward(
+        gluon_forward_template, TEMPLATE_NAME, usable, "Gluon forward",
         lambda c: {**spec,
                    "IS_DIVISIBLE_M": common.divisible(query.get_size()[2], c.block_m),
                    "IS_DIVISIBLE_N": common.divisible(key.get_size()[2], call.sparse_kv),
                    **c.constexprs()},
-        input_nodes=input_nodes,
-        layout=layout,
-        subgraphs=[call.score_buffer, call.mask_buffer],
-        mutated_inputs=[lse, row_max],
-        call_sizes=query.get_size(),
-    )
-    out = _compat.autotune_select_node(
-        TEMPLATE_NAME, choices, input_nodes + common.captured_inputs(call), layout,
-        input_gen_fns=common.benchmark_table_inputs(inputs, tables, call.has_full_blocks))
+        call, inputs, layout, lse, row_max)
 
     common.report_choice("forward (Gluon)", out, config_of_choice, usable, spec, common.REPORTED_SPECIALISATIONS,
                          query, key, value, kernel_options, started=started)
