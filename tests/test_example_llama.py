@@ -46,7 +46,7 @@ def test_wrong_paged_attention_fails(monkeypatch, capsys):
             return kv_idx < pos[b]
 
         logical = llama.flexattn.create_block_mask(before_position, pos.shape[0], None, 1, int(pos.max()) + 1,
-                                                   BLOCK_SIZE=(self.q_block, self.cache.page_size))
+                                                   device=pos.device, BLOCK_SIZE=(self.q_block, self.cache.page_size))
         return self.cache.block_mask_on_pages(logical, slots)
 
     monkeypatch.setattr(llama.PagedServer, "decode_block_mask", hides_current_token)
