@@ -60,7 +60,7 @@ import torch
 # --------------------------------------------------------------------------------------
 from torch._C import DispatchKey  # noqa: E402
 from torch._ops import HigherOrderOperator  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake  # noqa: E402
 from torch._subclasses.functional_tensor import disable_functional_mode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import (  # noqa: E402
     ProxyTorchDispatchMode,
@@ -69,6 +69,7 @@ from torch.fx.experimental.proxy_tensor import (  # noqa: E402
     track_tensor_tree,
 )
 from torch._dispatch.python import suspend_functionalization  # noqa: E402
+from torch._guards import detect_fake_mode  # noqa: E402
 import torch.utils._pytree as _pytree  # noqa: E402
 
 #: The three pytree functions flexattn uses (``torch.utils._pytree`` has no public
@@ -336,6 +337,7 @@ __all__ = [
     "autotune_select_node",
     "below_autograd",
     "build_variable",
+    "detect_fake_mode",
     "disable_functional_mode",
     "disable_proxy_modes_tracing",
     "dynamo_hop_support",
@@ -343,6 +345,7 @@ __all__ = [
     "enable_triton_interpreter",
     "exclude_dispatch_key",
     "float32_matmul_allows_tf32",
+    "is_fake",
     "graph_zeroed_workspace",
     "hop_init_kwargs",
     "inductor_cache_dir",

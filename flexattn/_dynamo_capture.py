@@ -15,13 +15,14 @@ flexattn call passes through here before Inductor lowers it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 
 import torch
 
 from . import _compat
-from ._hop import ModError, MutatingModError, flex_attention_hop
+from ._hop import ModError, MutatingModError, check_score_mod_row_products, flex_attention_hop
 from ._mask_tuple import BLOCK_MASK_TUPLE_LEN, BlockMaskView
 from .numerics import IndexWithTensors
 
@@ -94,6 +95,8 @@ def _make_variable_class():
                     f"entries, got {len(items)}"
                 )
             score_node, score_lifted = self._speculate_mod(tx, query, bound["score_mod"], True, "score_mod")
+            scale = float(_as_python_value(bound["scale"]))
+            _check_row_products(tx, score_node, query, bound["key"], scale, score_lifted)
             fields = BlockMaskView(*items)
             mask_node, mask_lifted = self._speculate_mod(tx, query, fields.mask_mod, False, "mask_mod")
 
@@ -107,9 +110,8 @@ def _make_variable_class():
                 proxied + [t for t in optional if t is not None], {})
             proxies = iter(optional_proxies)
             sinks_proxy, seed_proxy = (None if t is None else next(proxies) for t in optional)
-            # The scale is folded into the kernel as a constant (1/sqrt(E) follows the
-            # head dim, which the kernel specialises on anyway).
-            scale = float(_as_python_value(bound["scale"]))
+            # The scale (read above) is folded into the kernel as a constant (1/sqrt(E)
+            # follows the head dim, which the kernel specialises on anyway).
             kernel_options = _constant_kernel_options(bound["kernel_options"])
             proxy = tx.output.create_proxy(
                 "call_function",
@@ -170,6 +172,19 @@ def _check_mod_output(name: str, body_out) -> None:
             f"but it returned shape {tuple(example.shape)}. Reductions and broadcasts over "
             f"captured tensors are not allowed inside a mod."
         )
+
+
+def _check_row_products(tx, score_node, query, key, scale: float, lifted) -> None:
+    """A score_mod row product that cannot be folded fails here, where a ModError reaches
+    the caller as it is (raised later, while Dynamo runs the node on fake tensors, it
+    would arrive wrapped in Dynamo's own error)."""
+    def example(var):
+        return var.as_proxy().node.meta["example_value"]
+
+    graph_module = tx.output.nn_modules[score_node.node.target]
+    buffers = [proxy.node.meta["example_value"] for proxy in lifted]
+    with _compat.detect_fake_mode([example(query), *buffers]) or contextlib.nullcontext():
+        check_score_mod_row_products(graph_module, example(query), example(key), scale, buffers)
 
 
 _IN_PLACE_OPERATORS = frozenset({

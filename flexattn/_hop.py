@@ -49,6 +49,7 @@ from ._mask_tuple import BlockMaskView
 from . import options as _options
 from .numerics import Dropout, IndexWithTensors, sink_rows, stats_dtype
 from .reference import dense_math
+from .row_products import RowProductError, fold_row_products, plan_folding
 
 #: The error of a call that needs a backward with a mask built without the transposed lists.
 NO_Q_BLOCKS_ERROR = (
@@ -369,6 +370,41 @@ def build_score_mod_graphs(score_mod: Callable, query: Tensor, score_mod_buffers
     return fw_graph, joint_graph
 
 
+def trace_score_mod(score_mod: Callable, query: Tensor, score_mod_buffers: Sequence) -> torch.fx.GraphModule:
+    """score_mod traced to aten ops: ``(score, b, h, q_idx, kv_idx, *buffers) -> score``."""
+    with _compat.suspend_functionalization(), _compat.disable_functional_mode(), \
+            _compat.disable_proxy_modes_tracing(), IndexWithTensors():
+        buffers = [_plain_copy_like(b, requires_grad=False) for b in score_mod_buffers]
+        examples = scalar_examples(_plain_copy_like(query, requires_grad=False), True)
+        return _compat.make_fx(score_mod)(*examples, *buffers)
+
+
+def _row_product_error(e: RowProductError) -> ModError:
+    return ModError(f"flexattn: score_mod's dot product of captured rows cannot be folded into the "
+                    f"attention's matrix product: {e}")
+
+
+def check_score_mod_row_products(score_mod: Callable, query: Tensor, key: Tensor, scale: float,
+                                 score_mod_buffers: Sequence) -> None:
+    """Raise ``ModError`` when score_mod has a row product that cannot be folded (at
+    capture, so the error reaches the caller before any compile work)."""
+    try:
+        plan_folding(trace_score_mod(score_mod, query, score_mod_buffers), query.shape, key.shape, scale)
+    except RowProductError as e:
+        raise _row_product_error(e) from e
+
+
+def fold_score_mod_row_products(query: Tensor, key: Tensor, score_mod: Callable, scale: float,
+                                score_mod_buffers: Sequence):
+    """``row_products.fold_row_products`` on score_mod (None when it has no row
+    products); a row product that cannot be folded is a ``ModError``."""
+    graph = trace_score_mod(score_mod, query, score_mod_buffers)
+    try:
+        return fold_row_products(query, key, graph, scale, tuple(score_mod_buffers))
+    except RowProductError as e:
+        raise _row_product_error(e) from e
+
+
 #: Marks a place in FlexAttentionAutogradOp's saved inputs that holds a saved tensor.
 _SAVED = object()
 
@@ -422,6 +458,12 @@ class FlexAttentionAutogradOp(torch.autograd.Function):
 @flex_attention_hop.py_impl(DispatchKey.Autograd)
 def _autograd_flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
                              score_mod_buffers=(), mask_mod_buffers=(), sinks=None, dropout_seed=None):
+    if _compat.is_fake(query):
+        # Compiling for the kernels: a score_mod's dot products of captured rows become
+        # extra head-dim columns (the dense path above evaluates them as written).
+        folded = fold_score_mod_row_products(query, key, score_mod, scale, score_mod_buffers)
+        if folded is not None:
+            query, key, score_mod, score_mod_buffers = folded
     grad_enabled = torch.is_grad_enabled()
     needs_grad = grad_enabled and any(_grad_capable(t) for t in (query, key, value, *score_mod_buffers))
     if not needs_grad and not (grad_enabled and _grad_capable(sinks)):

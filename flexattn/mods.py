@@ -26,6 +26,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "causal_mask",
+    "decoupled_rope",
     "document_mask",
     "document_mask_from_offsets",
     "prefix_lm",
@@ -261,4 +262,39 @@ def relative_bias(table: Tensor) -> ScoreMod:
             return score + _lookup(table, offset)
 
     score_mod.__name__ = f"relative_bias_{max_distance + 1}"
+    return score_mod
+
+
+def decoupled_rope(q_pe: Tensor, k_pe: Tensor, scale: float) -> ScoreMod:
+    """MLA's decoupled RoPE (DeepSeek-V2): ``score + scale * <q_pe[b, h, q_idx], k_pe[b, kv_idx]>``.
+
+    ``q_pe`` has shape (B, H, L, R): the rotated query part of each head. ``k_pe`` has
+    shape (B, S, R), one rotated key part shared by every head, or (B, Hkv, S, R), one
+    per key head (read as ``h // (H // Hkv)``). ``scale`` is the attention's (the
+    product joins ``q . k`` before softmax, so it takes the same factor). The dot
+    product is folded into the kernels' ``QK^T`` as R extra head-dim columns; both
+    tables may require grad.
+    """
+    _require_tensor(q_pe, "q_pe", (4,))
+    _require_tensor(k_pe, "k_pe", (3, 4))
+    if k_pe.shape[-1] != q_pe.shape[-1]:
+        raise ValueError(f"k_pe's last dim must equal q_pe's ({q_pe.shape[-1]}), got shape {tuple(k_pe.shape)}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number, got {type(scale).__name__}")
+    scale = float(scale)
+
+    if k_pe.dim() == 3:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + scale * torch.dot(_lookup(q_pe, b, h, q_idx), _lookup(k_pe, b, kv_idx))
+
+    else:
+        if q_pe.shape[1] % k_pe.shape[1]:
+            raise ValueError(f"k_pe's heads ({k_pe.shape[1]}) must divide q_pe's ({q_pe.shape[1]})")
+        groups = q_pe.shape[1] // k_pe.shape[1]
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + scale * torch.dot(_lookup(q_pe, b, h, q_idx), _lookup(k_pe, b, h // groups, kv_idx))
+
+    score_mod.__name__ = f"decoupled_rope_{q_pe.shape[-1]}"
     return score_mod

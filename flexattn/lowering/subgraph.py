@@ -118,6 +118,24 @@ def _read_as_bool(node, placeholder: torch.fx.Node):
                                      ranges=list(node.get_size())))
 
 
+_REDUCTIONS = frozenset(("sum", "mean", "dot", "vdot", "mv", "mm", "bmm", "addmm", "prod", "amax", "amin",
+                         "max", "min", "var", "std", "norm", "linalg_vector_norm", "logsumexp", "cumsum"))
+
+
+def _reduction_hint(graph_module: torch.fx.GraphModule) -> str:
+    """The rewrite that works, when the mod reduces over a tensor."""
+    reduces = any(getattr(getattr(n.target, "_overloadpacket", None), "__name__", "") in _REDUCTIONS
+                  for n in graph_module.graph.nodes if n.op == "call_function")
+    if not reduces:
+        return ""
+    return ("; it reduces over a tensor, which no kernel can do per score. A dot product of a row "
+            "read at the query position and one read at the key position, added to the score "
+            "(score + c * torch.dot(x[b, h, q_idx], y[b, kv_idx]), y's head, when it has one, read as "
+            "h // G under grouped-query attention), is folded into the attention's matrix product; "
+            "write it that way (flexattn.mods.decoupled_rope builds MLA's), or concatenate the rows "
+            "onto query and key yourself")
+
+
 def build_mod_buffer(
     graph_module: torch.fx.GraphModule,
     arg_specs: Sequence[tuple[str, torch.dtype | None]],
@@ -150,7 +168,7 @@ def build_mod_buffer(
         raise ModLoweringError(
             f"flexattn: the {what} cannot be fused into the attention kernel: {e}. "
             f"A {what} must be elementwise on its scalar arguments (indexing captured "
-            f"tensors is fine); its graph was:\n{graph_module.code}"
+            f"tensors is fine){_reduction_hint(graph_module)}; its graph was:\n{graph_module.code}"
         ) from e
 
     result = lowering.graph_outputs
