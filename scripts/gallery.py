@@ -22,6 +22,7 @@ import torch
 
 import flexattn
 from flexattn import mods
+from flexattn.numerics import IndexWithTensors, vmap_over_bhmn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "gallery"
@@ -30,6 +31,9 @@ S, BLOCK, PIXELS = 64, 8, 4  # tokens per side, tokens per block, pixels per tok
 DOC_IDS = torch.tensor([0] * 20 + [1] * 12 + [2] * 24 + [3] * 8)
 CU_SEQLENS = torch.tensor([0, 20, 32, 56, 64])
 TABLE = torch.linspace(-2.0, 2.0, 2 * S - 1)
+#: RoPE applied to a vector of ones at each position: [cos(p t), sin(p t)] at four rates t.
+ROPE = torch.cat([torch.cos(torch.arange(S).view(S, 1) * 0.5 ** torch.arange(1, 5)),
+                  torch.sin(torch.arange(S).view(S, 1) * 0.5 ** torch.arange(1, 5))], dim=1)
 
 #: name -> (the code a user writes, the mod it makes).
 MASKS = {
@@ -47,6 +51,8 @@ SCORE_MODS = {
     "alibi_bias": ("mods.alibi_bias(torch.full((1,), 0.05))", mods.alibi_bias(torch.full((1,), 0.05)), "zero"),
     "tanh_softcap": ("mods.tanh_softcap(2.0)", mods.tanh_softcap(2.0), "ramp"),
     "relative_bias": ("mods.relative_bias(torch.linspace(-2, 2, 127))", mods.relative_bias(TABLE), "zero"),
+    "decoupled_rope": ("mods.decoupled_rope(q_pe, k_pe, 1.0)  # q_pe, k_pe: RoPE of a vector of ones, 4 rates",
+                       mods.decoupled_rope(ROPE.view(1, 1, S, 8), ROPE.view(1, S, 8), 1.0), "zero"),
 }
 
 
@@ -115,8 +121,11 @@ def heat_picture(score_mod, start: str) -> torch.Tensor:
     q_idx = torch.arange(S).view(S, 1).expand(S, S)
     kv_idx = torch.arange(S).view(1, S).expand(S, S)
     score = (kv_idx - q_idx).float() / 8 if start == "ramp" else torch.zeros(S, S)
-    head = torch.zeros((), dtype=torch.int64)
-    t = score_mod(score, head, head, q_idx, kv_idx)
+    # The mod on every (q_idx, kv_idx) of head 0 of batch 0, as the kernels see it.
+    with IndexWithTensors():
+        t = vmap_over_bhmn(score_mod, True, 0)(score.view(1, 1, S, S), torch.zeros(1, dtype=torch.int64),
+                                               torch.zeros(1, dtype=torch.int64), torch.arange(S), torch.arange(S))
+    t = t.view(S, S)
     t = (t / (float(t.abs().max()) or 1.0)).clamp(-1, 1)
     red = (255 * torch.where(t > 0, torch.ones_like(t), 1 + t)).round()
     blue = (255 * torch.where(t < 0, torch.ones_like(t), 1 - t)).round()
