@@ -360,10 +360,10 @@ def warm_up_compilers(settings: Settings, modes: list[str]) -> None:
             except Exception as error:  # noqa: BLE001 - the suite's own cells report failures
                 print(f"warning: warm-up of {impl} {mode} failed: {error_text(error)[:160]}", file=sys.stderr,
                       flush=True)
-    _synchronize(settings.device)
+    synchronize(settings.device)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -482,7 +482,7 @@ def run_cell(impl: str, prepared: Prepared, mode: str, settings: Settings,
 
             start = time.perf_counter()
             out = step()
-            _synchronize(settings.device)
+            synchronize(settings.device)
             first_call_s = time.perf_counter() - start
             results = [out.detach().clone()] + [t.grad.detach().clone() for t in grads]
             ms = median_ms(step, grads, settings)
@@ -687,7 +687,7 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
-def _git_state() -> dict[str, Any]:
+def git_state() -> dict[str, Any]:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
@@ -700,7 +700,7 @@ def _git_state() -> dict[str, Any]:
         return {"git_commit": None, "git_flexattn_dirty": None}
 
 
-def _triton_version() -> str:
+def triton_version() -> str:
     try:
         import triton
 
@@ -897,12 +897,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gpu": gpu,
         "device": device.type,
         "torch": torch.__version__,
-        "triton": _triton_version(),
+        "triton": triton_version(),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
         "flexattn": flexattn.__version__,
         "python": platform.python_version(),
-        **_git_state(),
+        **git_state(),
         "command": command,
         "date": now.isoformat(timespec="seconds"),
         "settings": {

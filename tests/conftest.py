@@ -23,17 +23,30 @@ if DEVICE == "cpu":
     _compat.use_interpreter_libdevice()
 
 
-def load_example(filename: str):
-    """examples/<filename> imported as a module (the examples are scripts, not a package)."""
+def _load_script(path: Path, prefix: str):
     import importlib.util
     import sys
 
-    path = Path(__file__).resolve().parents[1] / "examples" / filename
-    spec = importlib.util.spec_from_file_location(f"_example_{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(f"{prefix}{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_example(filename: str):
+    """examples/<filename> imported as a module (the examples are scripts, not a package)."""
+    return _load_script(Path(__file__).resolve().parents[1] / "examples" / filename, "_example_")
+
+
+def load_bench(name: str):
+    """bench/<name>.py imported as a module, with bench/ on sys.path as when it runs."""
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    return _load_script(bench / f"{name}.py", "_bench_")
 
 
 def pytest_report_header(config):

@@ -6,25 +6,14 @@ variant's output matches the float32 reference as closely as the contiguous run'
 and the paged/contiguous column.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from conftest import load_bench
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("_bench_decode", BENCH / "bench_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_bench("bench_decode")
 
 
 @pytest.fixture(scope="module")

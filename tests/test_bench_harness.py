@@ -8,13 +8,13 @@ failing implementation, merging of result files and the plot; checks that README
 performance section is what bench/report.py generates from bench/results.
 """
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import load_bench
 
 import flexattn
 
@@ -22,15 +22,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 CASES = "causal_s8192_d128,causal_alibi_s8192_d128,document8_s8192_d128,gqa32on8_causal_s8192_d128"
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("bench_attention")
+bench = load_bench("bench_attention")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +123,7 @@ def test_short_suite_files_stay_out_of_the_readme_table(tmp_path):
     bench.main(["--dry-run", "--suite", "short", "--part", "1/18", "--mode", "fwd", "--out", str(tmp_path)])
     written = [p.name for p in tmp_path.glob("attention-*.json")]
     assert len(written) == 1 and written[0].endswith("-short-part1of18.json")
-    assert not _load("report").result_files(tmp_path, "attention")
+    assert not load_bench("report").result_files(tmp_path, "attention")
 
 
 def test_ratios_geomean_and_table(dry_run):
@@ -205,20 +197,20 @@ def test_case_selection_and_modes():
 def test_plot_writes_a_png(dry_run, tmp_path):
     pytest.importorskip("matplotlib")
     out, _ = dry_run
-    plot = _load("plot")
+    plot = load_bench("plot")
     png = plot.main([str(out / "latest.json"), "-o", str(tmp_path / "chart.png")])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_readme_performance_section_is_generated():
-    report = _load("report")
+    report = load_bench("report")
     readme = (BENCH.parent / "README.md").read_text()
     assert report.current_section(readme) == report.render(), \
         "README.md's performance section is not what bench/report.py writes: run python bench/report.py"
 
 
 def test_report_takes_the_newest_suite_file_per_gpu(dry_run, tmp_path):
-    report = _load("report")
+    report = load_bench("report")
     out, _ = dry_run
     stem = next(p.stem for p in out.glob("attention-cpu-*.json"))
     older = json.loads((out / f"{stem}.json").read_text())
@@ -236,7 +228,7 @@ def test_report_takes_the_newest_suite_file_per_gpu(dry_run, tmp_path):
 
 def test_tune_and_profiler_options_depend_on_the_kernel(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    tune = _load("tune")
+    tune = load_bench("tune")
     args = tune.parse_args(["--kernel", "backward", "--exhaustive", "--kv-heads", "4"])
     assert (args.seq, args.cases, args.tokens, args.exhaustive, args.kv_heads, args.top) == (4096, "causal", 16384,
                                                                                              True, 4, 3)
@@ -250,7 +242,7 @@ def test_tune_and_profiler_options_depend_on_the_kernel(monkeypatch):
                                               "DQ_ATOMIC": True})]
     assert tune.attention_configs(tune.parse_args(["--kernel", "forward", "--configs", "128x64w4s2"]), 128) == [
         ("128x64 w4 s2", {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2})]
-    profiler = _load("profiler")
+    profiler = load_bench("profiler")
     args = profiler.parse_args(["--kernel", "decode", "--options", "{}", "--options", '{"FUSED_MERGE": true}'])
     assert args.options == ["{}", '{"FUSED_MERGE": true}'] and args.page_size == 128 and args.cases is None
     assert profiler.parse_args(["--kernel", "attention"]).mode == "fwdbwd"
@@ -262,7 +254,7 @@ def test_sinks_benchmark_dry_run(tmp_path, monkeypatch):
     """bench/bench_sinks.py runs and records every case, with and without sinks timed
     (torch's compiled flex has no lse or backward on a CPU: its cells hold the error)."""
     monkeypatch.syspath_prepend(str(BENCH))
-    sinks = _load("bench_sinks")
+    sinks = load_bench("bench_sinks")
     report = sinks.main(sinks.SINKS, ["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
     saved = json.loads(next(tmp_path.glob("sinks-cpu-*.json")).read_text())
     assert saved["rows"] and saved["command"].startswith("python")
@@ -276,7 +268,7 @@ def test_dropout_benchmark_dry_run(tmp_path, monkeypatch):
     """bench/bench_dropout.py runs and records every case: flexattn with and without
     dropout and SDPA with the same dropout_p and without, and their ratios."""
     monkeypatch.syspath_prepend(str(BENCH))
-    dropout = _load("bench_dropout")
+    dropout = load_bench("bench_dropout")
     report = dropout.main(dropout.DROPOUT, ["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
     assert json.loads(next(tmp_path.glob("dropout-cpu-*.json")).read_text())["rows"]
     for row in report["rows"]:
