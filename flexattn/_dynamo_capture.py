@@ -183,8 +183,13 @@ def _check_row_products(tx, score_node, query, key, scale: float, lifted) -> Non
 
     graph_module = tx.output.nn_modules[score_node.node.target]
     buffers = [proxy.node.meta["example_value"] for proxy in lifted]
-    with _compat.detect_fake_mode([example(query), *buffers]) or contextlib.nullcontext():
-        check_score_mod_row_products(graph_module, example(query), example(key), scale, buffers)
+    try:
+        with _compat.detect_fake_mode([example(query), *buffers]) or contextlib.nullcontext():
+            check_score_mod_row_products(graph_module, example(query), example(key), scale, buffers)
+    except ModError:
+        raise
+    except Exception:  # noqa: BLE001 - the operator traces the mod again and reports its errors
+        return
 
 
 _IN_PLACE_OPERATORS = frozenset({
