@@ -182,6 +182,11 @@ def test_decoupled_rope_with_softcap_and_alibi_on_top_float32():
     _run_mla(dtype=torch.float32, on_top=on_top, causal=False, Hkv=1, L=33, S=17, E=16, Ev=16, R=8, seed=1)
 
 
+@pytest.mark.usefixtures("flexattn_kernels")
+def test_decoupled_rope_decoding_one_query_on_a_shared_key_head():
+    _run_mla(dtype=torch.float16, L=1, S=70, Hq=8, Hkv=1, causal=False, seed=3)
+
+
 @pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
 def test_decoupled_rope_dynamic_lengths():
     for L in (24, 40):
