@@ -18,6 +18,7 @@ from .block_mask import (
 )
 from . import mods
 from .paged import PagedKVCache
+from .kvcache import flex_attention_with_kvcache
 
 # Dynamo learns the operator when it is imported, and the Inductor lowerings are
 # registered when Dynamo first captures a call: importing flexattn imports neither.
@@ -37,6 +38,7 @@ __all__ = [
     "create_mask",
     "eager_mods",
     "flex_attention",
+    "flex_attention_with_kvcache",
     "mods",
     "noop_mask",
     "or_masks",

@@ -1,0 +1,310 @@
+"""A decoding or chunked-prefill step over a KV cache: append, rotary, attention in one call.
+
+``flex_attention_with_kvcache`` is flexattn's counterpart of FlashAttention's
+``flash_attn_with_kvcache``: it rotates the queries and the new keys (rotary embeddings
+at each sequence's positions), writes the new keys and values into the cache at each
+sequence's length, and attends over the updated cache, with flex_attention's mods.
+
+The cache is a contiguous (B_cache, Hkv, S_max, D) tensor pair; ``cache_batch_idx``
+picks each sequence's row. Without it the cache's rows are the batch's and attention
+reads the cache as it is. With it, the cache is read in place through a strided view
+with one row after another (a pool, as ``PagedKVCache``'s "pages" layout, one page per
+row), and the block mask lists each sequence's blocks in its row: no row is copied.
+
+Under ``torch.compile`` the step is one graph: the rotary and the cache write are
+pointwise and scatter ops Inductor fuses into its own kernels beside the attention
+kernel, the mutation of the cache is functionalised, and the lengths are tensors, so
+the step compiles once however long the sequences grow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .api import AuxRequest, flex_attention
+from .block_mask import BlockMask, and_masks, create_block_mask
+
+__all__ = ["apply_rotary", "flex_attention_with_kvcache"]
+
+#: KV block of the cache's block mask; a smaller power of two where a pool's rows do not
+#: start at multiples of it.
+KV_BLOCK = 128
+MIN_KV_BLOCK = 16
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool = False) -> Tensor:
+    """Rotary embeddings on the first ``2 * cos.shape[-1]`` features of ``x``.
+
+    ``x``: (B, H, L, D); ``cos``, ``sin``: (S_rot, R / 2); ``positions``: (B, L) rows of
+    the tables. Half-split layout (GPT-NeoX) rotates feature i with i + R/2;
+    ``interleaved`` (GPT-J) rotates 2i with 2i + 1. Computed in float32, returned in
+    x's dtype; features past R pass through.
+    """
+    half = cos.shape[-1]
+    rot = x[..., :2 * half].float()
+    c = cos[positions].float()[:, None]  # (B, 1, L, R/2)
+    s = sin[positions].float()[:, None]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _checking_values() -> bool:
+    """Checks of tensor values cost a device sync; torch.compile skips them."""
+    return not torch.compiler.is_compiling()
+
+
+def _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_cos, rotary_sin,
+                     cache_batch_idx, enable_gqa) -> None:
+    """Every check, before anything is written."""
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flexattn: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"flexattn: {name} must be 4-D, got shape {_shape(t)}")
+    B, Hq, L, E = query.shape
+    Bc, Hkv, S_max, Ek = k_cache.shape
+    if Ek != E:
+        raise ValueError(f"flexattn: k_cache's head dim must equal query's ({E}), got k_cache shape {_shape(k_cache)}")
+    if _shape(v_cache)[:3] != (Bc, Hkv, S_max):
+        raise ValueError(f"flexattn: v_cache must have k_cache's batch, heads and length {(Bc, Hkv, S_max)}, "
+                         f"got shape {_shape(v_cache)}")
+    if Hq != Hkv and not (enable_gqa and Hq % Hkv == 0):
+        raise ValueError(f"flexattn: query has {Hq} heads and the cache {Hkv}: pass enable_gqa=True with a "
+                         f"multiple of the cache's heads")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("key", key), ("value", value)):
+        if t is None:
+            continue
+        if t.device != query.device:
+            raise ValueError(f"flexattn: {name} must be on query's device ({query.device}), got {t.device}")
+        if t.dtype != query.dtype:
+            raise ValueError(f"flexattn: {name} must have query's dtype ({query.dtype}), got {t.dtype}")
+    if (key is None) != (value is None):
+        raise ValueError("flexattn: key and value go together: pass both new keys and values, or neither")
+    L_new = 0
+    if key is not None:
+        if key.dim() != 4 or _shape(key)[:2] != (B, Hkv) or key.shape[-1] != E:
+            raise ValueError(f"flexattn: key must be (B, Hkv, L_new, E) = ({B}, {Hkv}, L_new, {E}), "
+                             f"got shape {_shape(key)}")
+        L_new = key.shape[2]
+        if _shape(value) != (B, Hkv, L_new, v_cache.shape[-1]):
+            raise ValueError(f"flexattn: value must be (B, Hkv, L_new, Ev) = {(B, Hkv, L_new, v_cache.shape[-1])}, "
+                             f"got shape {_shape(value)}")
+    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != B \
+            or cache_seqlens.dtype not in (torch.int32, torch.int64):
+        got = f"shape {_shape(cache_seqlens)} {cache_seqlens.dtype}" if isinstance(cache_seqlens, Tensor) \
+            else type(cache_seqlens).__name__
+        raise ValueError(f"flexattn: cache_seqlens must be an int, or an int32/int64 tensor of shape ({B},), got {got}")
+    if cache_batch_idx is None:
+        if Bc != B:
+            raise ValueError(f"flexattn: the cache has {Bc} rows for a batch of {B}: pass cache_batch_idx to say "
+                             f"which row each sequence uses")
+    elif not isinstance(cache_batch_idx, Tensor) or _shape(cache_batch_idx) != (B,) \
+            or cache_batch_idx.dtype not in (torch.int32, torch.int64):
+        got = f"shape {_shape(cache_batch_idx)} {cache_batch_idx.dtype}" if isinstance(cache_batch_idx, Tensor) \
+            else type(cache_batch_idx).__name__
+        raise ValueError(f"flexattn: cache_batch_idx must be an int32/int64 tensor of shape ({B},), got {got}")
+    elif not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("flexattn: with cache_batch_idx, k_cache and v_cache must be contiguous (the cache is "
+                         "read in place as a pool of rows)")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("flexattn: rotary_cos and rotary_sin go together: pass both or neither")
+    if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, Tensor) or t.dim() != 2 or not t.is_floating_point():
+                got = f"shape {_shape(t)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"flexattn: {name} must be a floating (S_rot, rotary_dim / 2) tensor, got {got}")
+            if t.device != query.device:
+                raise ValueError(f"flexattn: {name} must be on query's device ({query.device}), got {t.device}")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"flexattn: rotary_sin must have rotary_cos's shape {_shape(rotary_cos)}, "
+                             f"got {_shape(rotary_sin)}")
+        if not 0 < 2 * rotary_cos.shape[1] <= E:
+            raise ValueError(f"flexattn: rotary_dim (2 * rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must be "
+                             f"between 2 and the head dim {E}")
+    if not _checking_values():
+        return
+    if cache_seqlens.device != query.device:
+        raise ValueError(f"flexattn: cache_seqlens must be on query's device ({query.device}), got "
+                         f"{cache_seqlens.device}")
+    lengths = cache_seqlens.tolist()
+    longest = max(lengths, default=0)
+    if min(lengths, default=0) < 0 or longest + L_new > S_max:
+        raise ValueError(f"flexattn: cache_seqlens + the {L_new} new tokens must lie in [0, {S_max}] (the cache's "
+                         f"length), got cache_seqlens {lengths}")
+    if rotary_cos is not None and longest + max(L, L_new) > rotary_cos.shape[0]:
+        raise ValueError(f"flexattn: the rotary tables have {rotary_cos.shape[0]} positions, the step needs "
+                         f"{longest + max(L, L_new)} (cache_seqlens up to {longest}, {max(L, L_new)} new rows)")
+    if cache_batch_idx is not None:
+        if cache_batch_idx.device != query.device:
+            raise ValueError(f"flexattn: cache_batch_idx must be on query's device ({query.device}), got "
+                             f"{cache_batch_idx.device}")
+        rows = cache_batch_idx.tolist()
+        if min(rows) < 0 or max(rows) >= Bc:
+            raise ValueError(f"flexattn: cache_batch_idx must lie in [0, {Bc}) (k_cache's rows), got {rows}")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"flexattn: cache_batch_idx must name each cache row once, got {rows}")
+
+
+def _pool_kv_block(row_length: int) -> int:
+    """The KV block at which every row of a pool starts on a block boundary."""
+    block = KV_BLOCK
+    while block > MIN_KV_BLOCK and row_length % block:
+        block //= 2
+    if row_length % block:
+        raise ValueError(f"flexattn: with cache_batch_idx, Hkv * S_max ({row_length}) must be a multiple of "
+                         f"{MIN_KV_BLOCK} (each cache row starts a block of the pool)")
+    return block
+
+
+def _length_blocks(lengths: Tensor, L: int, kv_len: int, row_blocks: int, block: int, offsets: Tensor,
+                   mask_mod: Callable) -> BlockMask:
+    """The block mask of keys before ``lengths[b]`` on (B, 1, L, kv_len): each row's full
+    blocks, then its one partial block, ids shifted by ``offsets[b]`` blocks; index rows
+    ``row_blocks`` wide."""
+    B = lengths.shape[0]
+    q_blocks = max(1, math.ceil(L / KV_BLOCK))
+    full = (lengths // block).to(torch.int32)
+    partial = (lengths % block > 0).to(torch.int32)
+    ids = torch.arange(row_blocks, device=lengths.device, dtype=torch.int32).view(1, 1, 1, row_blocks)
+    shift = offsets.to(torch.int32).view(B, 1, 1, 1)
+    full_ids = (ids + shift).expand(B, 1, q_blocks, row_blocks)
+    partial_ids = ((ids + full.view(B, 1, 1, 1)).clamp(max=row_blocks - 1) + shift).expand(B, 1, q_blocks, row_blocks)
+    return BlockMask.from_kv_blocks(partial.view(B, 1, 1).expand(B, 1, q_blocks), partial_ids,
+                                    full.view(B, 1, 1).expand(B, 1, q_blocks), full_ids,
+                                    BLOCK_SIZE=(KV_BLOCK, block), mask_mod=mask_mod, seq_lengths=(L, kv_len),
+                                    compute_q_blocks=False)
+
+
+def flex_attention_with_kvcache(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    key: Tensor | None = None,
+    value: Tensor | None = None,
+    *,
+    cache_seqlens: Tensor | int,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    rotary_interleaved: bool = False,
+    cache_batch_idx: Tensor | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_aux: AuxRequest | None = None,
+    kernel_options: dict[str, Any] | None = None,
+):
+    """Append to a KV cache, apply rotary embeddings and attend, in one call.
+
+    For each sequence b of the batch, with ``n = cache_seqlens[b]`` tokens in its cache
+    row ``r = cache_batch_idx[b]`` (b without it):
+
+    1. with ``rotary_cos``/``rotary_sin``, query row i is rotated at position n + i and,
+       when given, new key j at position n + j (``apply_rotary``; half-split layout, or
+       ``rotary_interleaved``; rotary_dim = 2 * rotary_cos.shape[1] <= E);
+    2. the new keys and values (rotated keys) are written in place into
+       ``k_cache[r, :, n:n + L_new]`` and ``v_cache[r, :, n:n + L_new]``;
+    3. the queries attend to the row's first n + L_new keys.
+
+    Args:
+        query: (B, Hq, L, E). k_cache: (B_cache, Hkv, S_max, E). v_cache: (B_cache, Hkv,
+            S_max, Ev). key, value: the new tokens, (B, Hkv, L_new, E) and (B, Hkv,
+            L_new, Ev), or None to attend without appending.
+        cache_seqlens: tokens in each sequence's cache before the append, an int or a
+            (B,) int32/int64 tensor on query's device.
+        rotary_cos, rotary_sin: (S_rot, rotary_dim / 2) tables, or None for no rotary.
+        cache_batch_idx: (B,) int tensor, the cache row of each sequence (each row named
+            once); without it B_cache must be B.
+        score_mod, mask_mod: as flex_attention's, in logical positions: ``q_idx`` is the
+            query's position n + i, ``kv_idx`` the key's position in its sequence.
+            Keys at or past n + L_new are masked whatever mask_mod says. A mask_mod
+            costs one mask evaluation per step (``create_block_mask`` over the batch,
+            Hq heads, L queries and S_max keys); without one the mask is built from
+            the lengths alone.
+        scale, enable_gqa, return_aux, kernel_options: as flex_attention's.
+
+    Returns the attention output (B, Hq, L, Ev), and with ``return_aux`` flex_attention's
+    AuxOutput. The caches are mutated. Every argument is checked before anything is
+    written; checks of tensor values (lengths within the cache and the rotary tables,
+    rows in range) run eagerly and are skipped under torch.compile. A forward-only call:
+    the block mask carries no backward lists.
+    """
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((query.shape[0],), cache_seqlens, dtype=torch.int32, device=query.device)
+    _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_cos, rotary_sin,
+                     cache_batch_idx, enable_gqa)
+    B, Hq, L, E = query.shape
+    Bc, Hkv, S_max, _ = k_cache.shape
+    device = query.device
+    seqlens = cache_seqlens.to(torch.int64)
+    if rotary_cos is not None:
+        query = apply_rotary(query, rotary_cos, rotary_sin,
+                             seqlens[:, None] + torch.arange(L, device=device), rotary_interleaved)
+    rows = torch.arange(B, device=device) if cache_batch_idx is None else cache_batch_idx.to(torch.int64)
+    lengths = seqlens
+    if key is not None:
+        L_new = key.shape[2]
+        positions = seqlens[:, None] + torch.arange(L_new, device=device)  # (B, L_new)
+        if rotary_cos is not None:
+            key = apply_rotary(key, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        where = (rows.view(B, 1, 1), torch.arange(Hkv, device=device).view(1, Hkv, 1), positions.view(B, 1, L_new))
+        k_cache.index_put_(where, key)
+        v_cache.index_put_(where, value)
+        lengths = seqlens + L_new
+
+    if cache_batch_idx is None:
+        keys, values, kv_len, block = k_cache, v_cache, S_max, KV_BLOCK
+        base = torch.zeros(B, dtype=torch.int64, device=device)
+    else:
+        # The cache as one pool row after another: position r * Hkv * S_max + s of head h
+        # is k_cache[r, h, s] (the rows overlap other heads' entries, never listed).
+        row_length = Hkv * S_max
+        block = _pool_kv_block(row_length)
+        kv_len = (Bc - 1) * row_length + S_max
+        keys = k_cache.as_strided((1, Hkv, kv_len, E), (0, S_max * E, E, 1))
+        values = v_cache.as_strided((1, Hkv, kv_len, v_cache.shape[-1]), (0, S_max * v_cache.shape[-1],
+                                                                          v_cache.shape[-1], 1))
+        base = rows * row_length
+
+    def logical_mask(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    if mask_mod is not None:
+        def user_mask(b, h, q_idx, kv_idx):
+            return mask_mod(b, h, seqlens[b] + q_idx, kv_idx)
+
+        logical_mask = and_masks(logical_mask, user_mask)
+
+    def pool_mask(b, h, q_idx, kv_idx):
+        return logical_mask(b, h, q_idx, kv_idx - base[b])
+
+    if mask_mod is None:
+        block_mask = _length_blocks(lengths, L, kv_len, math.ceil(S_max / block), block, base // block, pool_mask)
+    else:
+        logical = create_block_mask(logical_mask, B, Hq, L, S_max, device=device, BLOCK_SIZE=(KV_BLOCK, block))
+        offsets = (base // block).to(torch.int32).view(B, 1, 1, 1)
+        block_mask = BlockMask.from_kv_blocks(
+            logical.kv_num_blocks, logical.kv_indices + offsets, logical.full_kv_num_blocks,
+            None if logical.full_kv_indices is None else logical.full_kv_indices + offsets,
+            BLOCK_SIZE=(KV_BLOCK, block), mask_mod=pool_mask, seq_lengths=(L, kv_len), compute_q_blocks=False)
+
+    pool_score_mod = None
+    if score_mod is not None:
+        def pool_score_mod(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, seqlens[b] + q_idx, kv_idx - base[b])
+
+    return flex_attention(query, keys, values, score_mod=pool_score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa, return_aux=return_aux, kernel_options=kernel_options)

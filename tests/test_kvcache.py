@@ -1,0 +1,246 @@
+"""flexattn.flex_attention_with_kvcache: append, rotary and attention in one call.
+
+The reference below rotates with complex multiplication (not the implementation's
+real-pair formula), writes the new tokens into a copy of the cache, gathers each
+sequence's row into a contiguous cache and runs the dense reference over it with the
+mods in logical positions; output and updated caches are checked three ways
+(tests/_harness.py) on every kernel path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn
+from flexattn import AuxRequest, create_block_mask, mods
+from flexattn._compat import compiled_graph_count
+from flexattn.reference import dense_math
+
+import _harness as harness
+from conftest import DEVICE
+
+
+def _rotate_reference(x, cos, sin, positions, interleaved):
+    """Rotary by complex multiplication: feature pairs as complex numbers times e^(i theta)."""
+    half = cos.shape[-1]
+    rot = x[..., :2 * half]
+    if interleaved:
+        pairs = torch.complex(rot[..., 0::2], rot[..., 1::2])
+    else:
+        pairs = torch.complex(rot[..., :half], rot[..., half:])
+    turned = pairs * torch.complex(cos[positions], sin[positions])[:, None]
+    parts = (torch.stack([turned.real, turned.imag], -1).flatten(-2) if interleaved
+             else torch.cat([turned.real, turned.imag], -1))
+    return torch.cat([parts, x[..., 2 * half:]], -1)
+
+
+def _rotary_tables(gen, positions, rotary_dim, dtype=torch.float32):
+    angles = torch.arange(positions)[:, None] * (0.5 + torch.rand(rotary_dim // 2, generator=gen))[None]
+    return torch.cos(angles).to(DEVICE, dtype), torch.sin(angles).to(DEVICE, dtype)
+
+
+def reference_step(q, k_cache, v_cache, k, v, seqlens, cos, sin, interleaved, rows, score_mod, mask_mod, scale):
+    """(out, lse, k_cache', v_cache') of one step, on copies, in the inputs' dtype."""
+    B, Hq, L, E = q.shape
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    rows = torch.arange(B, device=q.device) if rows is None else rows
+    complex_ok = q.dtype in (torch.float32, torch.float64)
+    if cos is not None:
+        def rotate(x, pos):
+            if complex_ok:
+                return _rotate_reference(x, cos.to(x.dtype), sin.to(x.dtype), pos, interleaved)
+            return _rotate_reference(x.float(), cos, sin, pos, interleaved).to(x.dtype)
+
+        q = rotate(q, seqlens[:, None] + torch.arange(L, device=q.device))
+    lengths = seqlens.clone()
+    if k is not None:
+        L_new = k.shape[2]
+        pos = seqlens[:, None] + torch.arange(L_new, device=q.device)
+        if cos is not None:
+            k = rotate(k, pos)
+        for b in range(B):
+            for j in range(L_new):
+                k_cache[rows[b], :, pos[b, j]] = k[b, :, j]
+                v_cache[rows[b], :, pos[b, j]] = v[b, :, j]
+        lengths = seqlens + L_new
+    keys, values = k_cache[rows], v_cache[rows]
+
+    def mask(b, h, q_idx, kv_idx):
+        visible = kv_idx < lengths[b]
+        return visible if mask_mod is None else visible & mask_mod(b, h, seqlens[b] + q_idx, kv_idx)
+
+    def shifted_score(score, b, h, q_idx, kv_idx):
+        return score if score_mod is None else score_mod(score, b, h, seqlens[b] + q_idx, kv_idx)
+
+    S_max = k_cache.shape[2]
+    block_mask = create_block_mask(mask, B, Hq, L, S_max, device=q.device, BLOCK_SIZE=16)
+    out, lse, _ = dense_math(q, keys, values, shifted_score, block_mask.as_tuple(), scale, (), ())
+    return out, lse, k_cache, v_cache
+
+
+def run_step(*, dtype, B=3, Hq=4, Hkv=2, E=32, Ev=None, S_max=96, L=1, L_new=1, lengths=(5, 0, 40),
+             rotary_dim=None, interleaved=False, cache_rows=None, make_mods=None, seed=0, compiled=False):
+    gen = harness.generator(seed)
+    Ev = Ev or E
+    Bc = B if cache_rows is None else cache_rows[1]
+    q = harness.randn(gen, B, Hq, L, E, dtype=dtype)
+    k_cache = harness.randn(gen, Bc, Hkv, S_max, E, dtype=dtype)
+    v_cache = harness.randn(gen, Bc, Hkv, S_max, Ev, dtype=dtype)
+    k = harness.randn(gen, B, Hkv, L_new, E, dtype=dtype) if L_new else None
+    v = harness.randn(gen, B, Hkv, L_new, Ev, dtype=dtype) if L_new else None
+    seqlens = torch.tensor(lengths, device=DEVICE)
+    rows = None if cache_rows is None else torch.tensor(cache_rows[0], device=DEVICE)
+    cos = sin = None
+    if rotary_dim:
+        cos, sin = _rotary_tables(gen, S_max + L, rotary_dim)
+    score_mod, mask_mod = make_mods(Hq) if make_mods else (None, None)
+    scale = E ** -0.5
+
+    def reference(q, k_cache, v_cache, k, v, cos, sin):
+        return reference_step(q, k_cache, v_cache, k, v, seqlens, cos, sin, interleaved, rows, score_mod,
+                              mask_mod, scale)
+
+    golden, ref = harness.reference_runs(reference, (q, k_cache, v_cache, k, v, cos, sin))
+
+    def step(q, k_cache, v_cache, k, v):
+        out, aux = flexattn.flex_attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=seqlens, rotary_cos=cos, rotary_sin=sin,
+            rotary_interleaved=interleaved, cache_batch_idx=rows, score_mod=score_mod, mask_mod=mask_mod,
+            scale=scale, enable_gqa=Hq != Hkv, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+
+    if compiled:
+        step = torch.compile(step, fullgraph=True)
+    out, lse = step(q, k_cache, v_cache, k, v)
+    harness.check_attention((out, lse), ref, golden, dtype, max_scores=False)
+    for name, got, r, g in (("k_cache", k_cache, ref[2], golden[2]), ("v_cache", v_cache, ref[3], golden[3])):
+        harness.check_three_way(name, got, r, g, dtype)
+    return q, k_cache, v_cache
+
+
+def _alibi_causal(Hq):
+    slopes = mods.alibi_slopes(Hq, device=DEVICE)
+    return mods.alibi_bias(slopes), mods.causal_mask
+
+
+def _window_softcap(Hq):
+    return mods.tanh_softcap(3.0), mods.sliding_window(8)
+
+
+CASES = {
+    "decode_gqa_rotary": dict(dtype=torch.float16, rotary_dim=32),
+    "decode_interleaved_partial_rotary_cache_rows": dict(dtype=torch.float32, rotary_dim=16, interleaved=True,
+                                                         cache_rows=([4, 0, 2], 5), Ev=16),
+    "prefill_chunk_causal_alibi": dict(dtype=torch.float16, L=5, L_new=5, lengths=(0, 17, 60), rotary_dim=32,
+                                       make_mods=_alibi_causal),
+    "chunk_rows_window_softcap": dict(dtype=torch.float16, L=4, L_new=4, lengths=(30, 3, 70), rotary_dim=8,
+                                      cache_rows=([1, 3, 0], 4), make_mods=_window_softcap, Hkv=1),
+    "attend_without_append": dict(dtype=torch.float32, L_new=0, lengths=(9, 1, 96), make_mods=_window_softcap),
+}
+
+
+@pytest.mark.usefixtures("flexattn_kernels")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_step_matches_the_reference(case):
+    run_step(**CASES[case])
+
+
+@pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+def test_compiled_step_matches_the_reference():
+    run_step(**CASES["chunk_rows_window_softcap"], compiled=True)
+
+
+@pytest.mark.workflow
+@pytest.mark.usefixtures("flexattn_kernels")
+@pytest.mark.parametrize("cache_rows", [None, ([1, 0], 3)], ids=["contiguous", "cache_rows"])
+def test_generation_under_compile_compiles_once(cache_rows):
+    """32 steps of one new token, each step's output checked against the dense reference;
+    the step compiles once, however long the sequences grow."""
+    gen = harness.generator(7)
+    B, Hq, Hkv, E, S_max, steps = 2, 4, 2, 16, 48, 32
+    Bc = B if cache_rows is None else cache_rows[1]
+    rows = None if cache_rows is None else torch.tensor(cache_rows[0], device=DEVICE)
+    k_cache = torch.zeros(Bc, Hkv, S_max, E, device=DEVICE)
+    v_cache = torch.zeros(Bc, Hkv, S_max, E, device=DEVICE)
+    cos, sin = _rotary_tables(gen, S_max, E)
+    seqlens = torch.tensor([3, 10], device=DEVICE)
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v, seqlens):
+        return flexattn.flex_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                    rotary_cos=cos, rotary_sin=sin, cache_batch_idx=rows,
+                                                    mask_mod=mods.causal_mask, enable_gqa=True)
+
+    graphs = None
+    for i in range(steps):
+        q, k, v = (harness.randn(gen, B, h, 1, E) for h in (Hq, Hkv, Hkv))
+        expected = reference_step(q, k_cache, v_cache, k, v, seqlens, cos, sin, False, rows, None,
+                                  mods.causal_mask, E ** -0.5)
+        out = step(q, k, v, seqlens)
+        torch.testing.assert_close(out, expected[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(k_cache, expected[2], atol=1e-6, rtol=1e-6)
+        if i == 0:
+            graphs = compiled_graph_count()
+        seqlens = seqlens + 1
+    assert compiled_graph_count() == graphs, "a step after the first compiled again"
+
+
+# --------------------------------------------------------------------------------------
+# Bad input: a clear error before anything is written
+# --------------------------------------------------------------------------------------
+def _bad_inputs():
+    q = torch.randn(2, 4, 1, 16, device=DEVICE)
+    k_cache = torch.randn(2, 2, 32, 16, device=DEVICE)
+    v_cache = torch.randn(2, 2, 32, 16, device=DEVICE)
+    k = torch.randn(2, 2, 1, 16, device=DEVICE)
+    v = torch.randn(2, 2, 1, 16, device=DEVICE)
+    cos, sin = torch.ones(40, 8, device=DEVICE), torch.zeros(40, 8, device=DEVICE)
+    good = dict(cache_seqlens=torch.tensor([3, 7], device=DEVICE), rotary_cos=cos, rotary_sin=sin, enable_gqa=True)
+    return q, k_cache, v_cache, k, v, good
+
+
+BAD = {
+    "past_capacity": (dict(cache_seqlens=torch.tensor([3, 32])), r"cache_seqlens \+ the 1 new tokens must lie in \[0, 32\]"),
+    "negative_length": (dict(cache_seqlens=torch.tensor([-1, 3])), r"cache_seqlens"),
+    "short_rotary_table": (dict(rotary_cos=torch.ones(5, 8), rotary_sin=torch.zeros(5, 8)),
+                           r"the rotary tables have 5 positions, the step needs 8"),
+    "rotary_above_head_dim": (dict(rotary_cos=torch.ones(40, 9), rotary_sin=torch.zeros(40, 9)),
+                              r"rotary_dim \(2 \* rotary_cos.shape\[1\] = 18\) must be between 2 and the head dim 16"),
+    "rotary_sin_alone": (dict(rotary_cos=None), r"rotary_cos and rotary_sin go together"),
+    "rotary_shapes_differ": (dict(rotary_sin=torch.zeros(40, 4)), r"rotary_sin must have rotary_cos's shape"),
+    "cache_row_out_of_range": (dict(cache_batch_idx=torch.tensor([0, 2])), r"cache_batch_idx must lie in \[0, 2\)"),
+    "cache_row_twice": (dict(cache_batch_idx=torch.tensor([1, 1])), r"name each cache row once"),
+    "lengths_wrong_shape": (dict(cache_seqlens=torch.tensor([3])), r"cache_seqlens must be an int, or an int32/int64 tensor of shape \(2,\)"),
+    "lengths_float": (dict(cache_seqlens=torch.tensor([3.0, 1.0])), r"cache_seqlens must be"),
+    "no_gqa": (dict(enable_gqa=False), r"pass enable_gqa=True"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_refused_before_any_write(case):
+    q, k_cache, v_cache, k, v, args = _bad_inputs()
+    change, message = BAD[case]
+    args.update({name: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for name, t in change.items()})
+    before = (k_cache.clone(), v_cache.clone())
+    with pytest.raises(ValueError, match=message):
+        flexattn.flex_attention_with_kvcache(q, k_cache, v_cache, k, v, **args)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_bad_tensors_are_refused_before_any_write():
+    q, k_cache, v_cache, k, v, args = _bad_inputs()
+    before = k_cache.clone()
+    for call, message in (
+        (lambda: flexattn.flex_attention_with_kvcache(q, k_cache, v_cache, k.half(), v, **args), r"key must have query's dtype"),
+        (lambda: flexattn.flex_attention_with_kvcache(q, k_cache, v_cache, k, None, **args), r"key and value go together"),
+        (lambda: flexattn.flex_attention_with_kvcache(q, k_cache, v_cache[:, :, :16], k, v, **args),
+         r"v_cache must have k_cache's batch, heads and length"),
+        (lambda: flexattn.flex_attention_with_kvcache(q, k_cache[:1], v_cache[:1], k, v, **args),
+         r"the cache has 1 rows for a batch of 2: pass cache_batch_idx"),
+        (lambda: flexattn.flex_attention_with_kvcache(q, k_cache, v_cache, k[:, :, :, :8], v, **args),
+         r"key must be \(B, Hkv, L_new, E\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert torch.equal(k_cache, before)
