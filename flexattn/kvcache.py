@@ -5,8 +5,9 @@
 at each sequence's positions), writes the new keys and values into the cache at each
 sequence's length, and attends over the updated cache, with flex_attention's mods.
 
-The cache is a contiguous (B_cache, Hkv, S_max, D) tensor pair; ``cache_batch_idx``
-picks each sequence's row. Without it the cache's rows are the batch's and attention
+The cache is a contiguous (B_cache, Hkv, S_max, D) tensor pair, or the pools of a
+``PagedKVCache`` (``page_cache`` and ``slots``: the append and the attention go through
+its pages). In a contiguous cache ``cache_batch_idx`` picks each sequence's row. Without it the cache's rows are the batch's and attention
 reads the cache as it is. With it, the cache is read in place through a strided view
 with one row after another (a pool, as ``PagedKVCache``'s "pages" layout, one page per
 row), and the block mask lists each sequence's blocks in its row: no row is copied.
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from .api import AuxRequest, flex_attention
 from .block_mask import BlockMask, and_masks, create_block_mask
+from .paged import PagedKVCache
 
 __all__ = ["apply_rotary", "flex_attention_with_kvcache"]
 
@@ -67,7 +69,7 @@ def _checking_values() -> bool:
 
 
 def _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_cos, rotary_sin,
-                     cache_batch_idx, enable_gqa) -> None:
+                     cache_batch_idx, enable_gqa, page_cache, slots) -> None:
     """Every check, before anything is written."""
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
@@ -76,9 +78,23 @@ def _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_
             raise ValueError(f"flexattn: {name} must be 4-D, got shape {_shape(t)}")
     B, Hq, L, E = query.shape
     Bc, Hkv, S_max, Ek = k_cache.shape
+    if page_cache is not None:
+        if not isinstance(page_cache, PagedKVCache):
+            raise TypeError(f"flexattn: page_cache must be a flexattn.PagedKVCache, got {type(page_cache).__name__}")
+        if cache_batch_idx is not None:
+            raise ValueError("flexattn: with page_cache the sequences are named by slots, not cache_batch_idx")
+        if not isinstance(slots, Tensor) or _shape(slots) != (B,):
+            got = f"shape {_shape(slots)}" if isinstance(slots, Tensor) else type(slots).__name__
+            raise ValueError(f"flexattn: with page_cache, slots must be a ({B},) integer tensor, got {got}")
+        if Bc != 1 or S_max != page_cache.pool_length:
+            raise ValueError(f"flexattn: with page_cache, k_cache and v_cache are its pools (1, Hkv, "
+                             f"{page_cache.pool_length}, D), got k_cache shape {_shape(k_cache)}")
+        Bc, S_max = B, page_cache.max_length
+    elif slots is not None:
+        raise ValueError("flexattn: slots name the sequences of a page_cache; pass page_cache too")
     if Ek != E:
         raise ValueError(f"flexattn: k_cache's head dim must equal query's ({E}), got k_cache shape {_shape(k_cache)}")
-    if _shape(v_cache)[:3] != (Bc, Hkv, S_max):
+    if page_cache is None and _shape(v_cache)[:3] != (Bc, Hkv, S_max):
         raise ValueError(f"flexattn: v_cache must have k_cache's batch, heads and length {(Bc, Hkv, S_max)}, "
                          f"got shape {_shape(v_cache)}")
     if Hq != Hkv and not (enable_gqa and Hq % Hkv == 0):
@@ -200,6 +216,8 @@ def flex_attention_with_kvcache(
     rotary_sin: Tensor | None = None,
     rotary_interleaved: bool = False,
     cache_batch_idx: Tensor | None = None,
+    page_cache: PagedKVCache | None = None,
+    slots: Tensor | None = None,
     score_mod: Callable | None = None,
     mask_mod: Callable | None = None,
     scale: float | None = None,
@@ -228,6 +246,10 @@ def flex_attention_with_kvcache(
         rotary_cos, rotary_sin: (S_rot, rotary_dim / 2) tables, or None for no rotary.
         cache_batch_idx: (B,) int tensor, the cache row of each sequence (each row named
             once); without it B_cache must be B.
+        page_cache, slots: a ``PagedKVCache`` whose pools are k_cache and v_cache, and
+            the (B,) slots of the batch's sequences (instead of cache_batch_idx): the new
+            tokens go through ``page_cache.append`` (reserve the pages first) and
+            attention runs on the pages. The cache's length S_max is then its max_length.
         score_mod, mask_mod: as flex_attention's, in logical positions: ``q_idx`` is the
             query's position n + i, ``kv_idx`` the key's position in its sequence.
             Keys at or past n + L_new are masked whatever mask_mod says. A mask_mod
@@ -245,7 +267,7 @@ def flex_attention_with_kvcache(
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((query.shape[0],), cache_seqlens, dtype=torch.int32, device=query.device)
     _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_cos, rotary_sin,
-                     cache_batch_idx, enable_gqa)
+                     cache_batch_idx, enable_gqa, page_cache, slots)
     B, Hq, L, E = query.shape
     Bc, Hkv, S_max, _ = k_cache.shape
     device = query.device
@@ -260,10 +282,40 @@ def flex_attention_with_kvcache(
         positions = seqlens[:, None] + torch.arange(L_new, device=device)  # (B, L_new)
         if rotary_cos is not None:
             key = apply_rotary(key, rotary_cos, rotary_sin, positions, rotary_interleaved)
-        where = (rows.view(B, 1, 1), torch.arange(Hkv, device=device).view(1, Hkv, 1), positions.view(B, 1, L_new))
-        k_cache.index_put_(where, key)
-        v_cache.index_put_(where, value)
+        if page_cache is not None:
+            page_cache.append(slots, positions, key, value, k_cache, v_cache)
+        else:
+            where = (rows.view(B, 1, 1), torch.arange(Hkv, device=device).view(1, Hkv, 1),
+                     positions.view(B, 1, L_new))
+            k_cache.index_put_(where, key)
+            v_cache.index_put_(where, value)
         lengths = seqlens + L_new
+
+    def logical_mask(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    if mask_mod is not None:
+        def user_mask(b, h, q_idx, kv_idx):
+            return mask_mod(b, h, seqlens[b] + q_idx, kv_idx)
+
+        logical_mask = and_masks(logical_mask, user_mask)
+
+    logical_score_mod = None
+    if score_mod is not None:
+        def logical_score_mod(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, seqlens[b] + q_idx, kv_idx)
+
+    if page_cache is not None:
+        page, max_len = page_cache.page_size, page_cache.max_length
+        if mask_mod is None:
+            logical = _length_blocks(lengths, L, max_len, math.ceil(max_len / page), page,
+                                     torch.zeros_like(lengths), logical_mask)
+        else:
+            logical = create_block_mask(logical_mask, B, Hq, L, max_len, device=device, BLOCK_SIZE=(KV_BLOCK, page))
+        return flex_attention(
+            query, k_cache, v_cache, block_mask=page_cache.block_mask_on_pages(logical, slots),
+            score_mod=None if score_mod is None else page_cache.score_mod_on_pages(logical_score_mod, slots),
+            scale=scale, enable_gqa=enable_gqa, return_aux=return_aux, kernel_options=kernel_options)
 
     if cache_batch_idx is None:
         keys, values, kv_len, block = k_cache, v_cache, S_max, KV_BLOCK
@@ -278,15 +330,6 @@ def flex_attention_with_kvcache(
         values = v_cache.as_strided((1, Hkv, kv_len, v_cache.shape[-1]), (0, S_max * v_cache.shape[-1],
                                                                           v_cache.shape[-1], 1))
         base = rows * row_length
-
-    def logical_mask(b, h, q_idx, kv_idx):
-        return kv_idx < lengths[b]
-
-    if mask_mod is not None:
-        def user_mask(b, h, q_idx, kv_idx):
-            return mask_mod(b, h, seqlens[b] + q_idx, kv_idx)
-
-        logical_mask = and_masks(logical_mask, user_mask)
 
     def pool_mask(b, h, q_idx, kv_idx):
         return logical_mask(b, h, q_idx, kv_idx - base[b])
@@ -304,7 +347,7 @@ def flex_attention_with_kvcache(
     pool_score_mod = None
     if score_mod is not None:
         def pool_score_mod(score, b, h, q_idx, kv_idx):
-            return score_mod(score, b, h, seqlens[b] + q_idx, kv_idx - base[b])
+            return logical_score_mod(score, b, h, q_idx, kv_idx - base[b])
 
     return flex_attention(query, keys, values, score_mod=pool_score_mod, block_mask=block_mask, scale=scale,
                           enable_gqa=enable_gqa, return_aux=return_aux, kernel_options=kernel_options)

@@ -186,6 +186,43 @@ def test_generation_under_compile_compiles_once(cache_rows):
     assert compiled_graph_count() == graphs, "a step after the first compiled again"
 
 
+@pytest.mark.usefixtures("flexattn_kernels")
+@pytest.mark.parametrize("layout", ["heads", "pages"])
+def test_paged_step_matches_the_contiguous_reference(layout):
+    """The same step on a PagedKVCache (pages of 16 tokens, shuffled) as on contiguous
+    caches holding each slot's tokens: output, and the new tokens in the pool."""
+    gen = harness.generator(11)
+    B, Hq, Hkv, E, S_max, L = 3, 4, 2, 32, 64, 2
+    lengths = torch.tensor([5, 0, 33], device=DEVICE)
+    slots = torch.tensor([2, 0, 3], device=DEVICE)
+    cache = flexattn.PagedKVCache(n_pages=16, page_size=16, max_slots=4, device=DEVICE, layout=layout,
+                                  num_kv_heads=Hkv if layout == "pages" else None, max_pages_per_slot=4)
+    cache.shuffle_free_pages(torch.Generator().manual_seed(1))
+    k_pool, v_pool = cache.allocate(num_kv_heads=Hkv, head_dim=E, dtype=torch.float32)
+    k_cache, v_cache = harness.randn(gen, B, Hkv, S_max, E), harness.randn(gen, B, Hkv, S_max, E)
+    for b in range(B):
+        n = int(lengths[b])
+        cache.reserve(int(slots[b]), n + L)
+        if n:
+            cache.append(slots[b:b + 1], torch.arange(n, device=DEVICE)[None], k_cache[b:b + 1, :, :n],
+                         v_cache[b:b + 1, :, :n], k_pool, v_pool)
+    q, k, v = harness.randn(gen, B, Hq, L, E), harness.randn(gen, B, Hkv, L, E), harness.randn(gen, B, Hkv, L, E)
+    cos, sin = _rotary_tables(gen, S_max, 16)
+    # The "heads" layout without mods (the mask from the lengths alone), "pages" with them.
+    score_mod, mask_mod = _alibi_causal(Hq) if layout == "pages" else (None, None)
+    expected = reference_step(q, k_cache, v_cache, k, v, lengths, cos, sin, True, None, score_mod, mask_mod,
+                              E ** -0.5)
+    out = flexattn.flex_attention_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=lengths, rotary_cos=cos,
+                                               rotary_sin=sin, rotary_interleaved=True, page_cache=cache,
+                                               slots=slots, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True)
+    torch.testing.assert_close(out, expected[0], atol=2e-5, rtol=2e-5)
+    new = lengths[:, None] + torch.arange(L, device=DEVICE)
+    where = cache.pool_positions(slots, new)
+    for b in range(B):
+        torch.testing.assert_close(k_pool[0][:, where[b]], expected[2][b][:, new[b]], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v_pool[0][:, where[b]], expected[3][b][:, new[b]])
+
+
 # --------------------------------------------------------------------------------------
 # Bad input: a clear error before anything is written
 # --------------------------------------------------------------------------------------
@@ -214,6 +251,7 @@ BAD = {
     "lengths_wrong_shape": (dict(cache_seqlens=torch.tensor([3])), r"cache_seqlens must be an int, or an int32/int64 tensor of shape \(2,\)"),
     "lengths_float": (dict(cache_seqlens=torch.tensor([3.0, 1.0])), r"cache_seqlens must be"),
     "no_gqa": (dict(enable_gqa=False), r"pass enable_gqa=True"),
+    "slots_without_page_cache": (dict(slots=torch.tensor([0, 1])), r"slots name the sequences of a page_cache"),
 }
 
 
