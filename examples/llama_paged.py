@@ -15,7 +15,9 @@ What the script does:
    writing the new token's K/V into the pool and attending on the pool through a paged
    BlockMask) is one ``torch.compile``'d function with fixed shapes: a (B, 1) query,
    positions and slots as tensors, a BlockMask rebuilt each step with the same shapes.
-   It must compile once: the script fails if the step recompiles. With
+   It must compile once: the script fails if the step recompiles. With ``--fused-step``
+   each layer's rotary, append and attention are one ``flex_attention_with_kvcache``
+   call instead. With
    ``--cuda-graphs`` it is compiled with ``mode="reduce-overhead"`` (CUDA graphs): the
    pools and page tables are marked static (written and read in place), and a CUDA-graph
    skip is an error too.
@@ -29,6 +31,7 @@ What the script does:
     python examples/llama_paged.py                                  # CPU, a few seconds
     python examples/llama_paged.py --tiny --backend eager           # the test's size
     python examples/llama_paged.py --device cuda --cuda-graphs      # GPU, CUDA graphs
+    python examples/llama_paged.py --fused-step                     # decode via flex_attention_with_kvcache
     python examples/llama_paged.py --device cuda --batch 16 --new-tokens 128 --dim 1024 \\
         --layers 8 --heads 16 --kv-heads 4 --page-size 128 --cuda-graphs
 """
@@ -60,7 +63,8 @@ RATIO = 2.0
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-10}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# Attention callback: (layer index, q (B, H, L, D), k, v (B, Hkv, L, D)) -> (B, H, L, D)
+# Attention callback: (layer index, q (B, H, L, D), k, v (B, Hkv, L, D)) -> (B, H, L, D).
+# q and k come rotated, unless the callback has ``applies_rotary = True`` (it rotates them).
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -118,7 +122,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, L, self.cfg.heads, D).transpose(1, 2)
         k = self.wk(x).view(B, L, self.cfg.kv_heads, D).transpose(1, 2)
         v = self.wv(x).view(B, L, self.cfg.kv_heads, D).transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if not getattr(attend, "applies_rotary", False):
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = attend(self.index, q, k, v)
         return self.wo(out.transpose(1, 2).reshape(B, L, self.cfg.heads * D))
 
@@ -191,9 +196,10 @@ class PagedServer:
     """The model's K/V in a PagedKVCache (one pair of pool tensors per layer)."""
 
     def __init__(self, model: Llama, cache: PagedKVCache, dtype: torch.dtype, *, backend: str,
-                 cuda_graphs: bool, q_block: int = 16):
+                 cuda_graphs: bool, q_block: int = 16, fused_step: bool = False):
         cfg = model.cfg
-        self.model, self.cache, self.q_block = model, cache, q_block
+        self.model, self.cache, self.q_block, self.fused_step = model, cache, q_block, fused_step
+        decode_step = self._fused_decode_step if fused_step else self._decode_step
         self.pools = [cache.allocate(cfg.kv_heads, cfg.head_dim, dtype) for _ in range(cfg.layers)]
         if cuda_graphs:
             # Written (pools) and read (page tables) in place by the graph: static
@@ -203,9 +209,9 @@ class PagedServer:
                 torch._dynamo.mark_static_address(v_pool)
             torch._dynamo.mark_static_address(cache.page_table)
             torch._dynamo.mark_static_address(cache.owner_page)
-            self.step = torch.compile(self._decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            self.step = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
         else:
-            self.step = torch.compile(self._decode_step, backend=backend, fullgraph=True, dynamic=False)
+            self.step = torch.compile(decode_step, backend=backend, fullgraph=True, dynamic=False)
 
     def prefill(self, prompts: list[Tensor], slots: list[int]) -> Tensor:
         """Run the prompts packed in one row (causal within each prompt), write their K/V
@@ -240,6 +246,21 @@ class PagedServer:
             self.cache.append(slots, positions, k, v, k_pool, v_pool)
             return flexattn.flex_attention(q, k_pool, v_pool, block_mask=block_mask, enable_gqa=True)
 
+        return self.model(tokens, positions, attend)[:, 0]
+
+    def _fused_decode_step(self, tokens: Tensor, positions: Tensor, slots: Tensor, block_mask=None) -> Tensor:
+        """The decode step through flex_attention_with_kvcache: rotary on q and the new k,
+        the append and the attention in one call per layer (its mask from the lengths:
+        with one query per sequence that is the causal mask). Compiled."""
+        cos, sin = self.model.cos, self.model.sin
+
+        def attend(layer, q, k, v):
+            k_pool, v_pool = self.pools[layer]
+            return flexattn.flex_attention_with_kvcache(
+                q, k_pool, v_pool, k, v, cache_seqlens=positions[:, 0], rotary_cos=cos, rotary_sin=sin,
+                page_cache=self.cache, slots=slots, enable_gqa=True)
+
+        attend.applies_rotary = True
         return self.model(tokens, positions, attend)[:, 0]
 
     def decode_block_mask(self, slots: Tensor, positions: Tensor) -> flexattn.BlockMask:
@@ -302,6 +323,8 @@ def parse_args(argv):
     p.add_argument("--cuda-graphs", action="store_true",
                    help='compile the decode step with mode="reduce-overhead" (CUDA graphs; --device cuda)')
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the decode step (no --cuda-graphs)")
+    p.add_argument("--fused-step", action="store_true",
+                   help="decode through flexattn.flex_attention_with_kvcache (rotary, append and attention in one call)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--batch", type=int, default=4, help="number of prompts")
     p.add_argument("--prompt-lengths", default=None, help="comma list (overrides --batch), e.g. 7,30,19")
@@ -357,7 +380,8 @@ def run(argv=None) -> dict:
     cache = PagedKVCache(n_pages=n_pages, page_size=page_size, max_slots=B + 2, device=device,
                          layout=args.pool_layout, num_kv_heads=cfg.kv_heads,
                          max_pages_per_slot=-(-cfg.max_positions // page_size))
-    server = PagedServer(model, cache, dtype, backend=args.backend, cuda_graphs=args.cuda_graphs)
+    server = PagedServer(model, cache, dtype, backend=args.backend, cuda_graphs=args.cuda_graphs,
+                         fused_step=args.fused_step)
     slot_list = list(range(B + 1, 1, -1))[:B]          # any free slots; not 0..B-1 in order
     slots = torch.tensor(slot_list, device=device)
 
@@ -380,7 +404,7 @@ def run(argv=None) -> dict:
         start = time.perf_counter()
         for slot, pos in zip(slot_list, positions[:, 0].tolist()):
             cache.reserve(slot, pos + 1)
-        block_mask = server.decode_block_mask(slots, positions)
+        block_mask = None if args.fused_step else server.decode_block_mask(slots, positions)
         if args.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
@@ -413,7 +437,7 @@ def run(argv=None) -> dict:
     ok = err_paged <= bound and recompiles == 0 and cudagraph_skips == 0 and cache.free_pages() == n_pages
     summary = {
         "ok": ok, "device": str(device), "dtype": str(dtype).replace("torch.", ""), "cuda_graphs": args.cuda_graphs,
-        "batch": B, "prompt_lengths": lengths, "new_tokens": N, "page_size": page_size, "n_pages": n_pages,
+        "fused_step": args.fused_step, "batch": B, "prompt_lengths": lengths, "new_tokens": N, "page_size": page_size, "n_pages": n_pages,
         "max_abs_err": err_paged, "reference_err": err_ref, "bound": bound, "greedy_agreement": agree,
         "recompiles": recompiles, "cudagraph_skips": cudagraph_skips,
         "prefill_s": prefill_s, "first_step_s": step_times[0] if step_times else float("nan"),
@@ -421,7 +445,9 @@ def run(argv=None) -> dict:
     }
     print(f"llama_paged: {B} prompts of {lengths} tokens, {N} new tokens each, {cfg.layers} layers, dim {cfg.dim}, "
           f"{cfg.heads} heads on {cfg.kv_heads} KV heads, {dtype}, {device}"
-          f"{' with CUDA graphs' if args.cuda_graphs else ''}; pages of {page_size} tokens, {n_pages} in the pool")
+          f"{' with CUDA graphs' if args.cuda_graphs else ''}"
+          f"{', decoding through flex_attention_with_kvcache' if args.fused_step else ''}; pages of {page_size} tokens, "
+          f"{n_pages} in the pool")
     print(f"logits: max |paged - float64| = {err_paged:.3e}; reference ({summary['dtype']}, contiguous) "
           f"{err_ref:.3e}; bound {bound:.3e}; greedy tokens agree with float64: {agree:.0%}")
     print(f"decode: {tokens_per_s:.1f} tokens/s over {len(timed)} steps after the first "

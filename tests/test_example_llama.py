@@ -74,3 +74,15 @@ def test_recompiling_step_fails(monkeypatch, capsys):
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         assert llama.main(["--tiny", "--backend", "eager", "--new-tokens", "3"]) == 1
     assert "recompiled" in capsys.readouterr().err
+
+
+def test_fused_step_matches_the_unfused_step_token_for_token():
+    """Decoding through flex_attention_with_kvcache (rotary, append and attention in one
+    call) generates the tokens the unfused step generates, compiles once and passes the
+    float64 check."""
+    argv = ["--tiny", "--new-tokens", "5", "--prompt-lengths", "17,3,9"]
+    unfused = llama.run(argv)
+    fused = llama.run(argv + ["--fused-step"])
+    assert fused["ok"] and unfused["ok"], (fused, unfused)
+    assert fused["recompiles"] == 0 and fused["fused_step"]
+    assert fused["generated"] == unfused["generated"]
