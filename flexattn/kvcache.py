@@ -318,18 +318,23 @@ def flex_attention_with_kvcache(
             scale=scale, enable_gqa=enable_gqa, return_aux=return_aux, kernel_options=kernel_options)
 
     if cache_batch_idx is None:
-        keys, values, kv_len, block = k_cache, v_cache, S_max, KV_BLOCK
-        base = torch.zeros(B, dtype=torch.int64, device=device)
-    else:
-        # The cache as one pool row after another: position r * Hkv * S_max + s of head h
-        # is k_cache[r, h, s] (the rows overlap other heads' entries, never listed).
-        row_length = Hkv * S_max
-        block = _pool_kv_block(row_length)
-        kv_len = (Bc - 1) * row_length + S_max
-        keys = k_cache.as_strided((1, Hkv, kv_len, E), (0, S_max * E, E, 1))
-        values = v_cache.as_strided((1, Hkv, kv_len, v_cache.shape[-1]), (0, S_max * v_cache.shape[-1],
-                                                                          v_cache.shape[-1], 1))
-        base = rows * row_length
+        if mask_mod is None:
+            block_mask = _length_blocks(lengths, L, S_max, math.ceil(S_max / KV_BLOCK), KV_BLOCK,
+                                        torch.zeros_like(lengths), logical_mask)
+        else:
+            block_mask = create_block_mask(logical_mask, B, Hq, L, S_max, device=device)
+        return flex_attention(query, k_cache, v_cache, score_mod=logical_score_mod, block_mask=block_mask,
+                              scale=scale, enable_gqa=enable_gqa, return_aux=return_aux, kernel_options=kernel_options)
+
+    # The cache as one pool row after another: position r * Hkv * S_max + s of head h is
+    # k_cache[r, h, s] (the rows overlap other heads' entries, never listed).
+    row_length = Hkv * S_max
+    block = _pool_kv_block(row_length)
+    kv_len = (Bc - 1) * row_length + S_max
+    keys = k_cache.as_strided((1, Hkv, kv_len, E), (0, S_max * E, E, 1))
+    Ev = v_cache.shape[-1]
+    values = v_cache.as_strided((1, Hkv, kv_len, Ev), (0, S_max * Ev, Ev, 1))
+    base = rows * row_length
 
     def pool_mask(b, h, q_idx, kv_idx):
         return logical_mask(b, h, q_idx, kv_idx - base[b])
