@@ -388,7 +388,7 @@ class Settings:
     wall_calls: int = WALL_CALLS
 
 
-def _call(impl: str, case: Case, built: Built, score_mod, masks: dict, inputs, settings: Settings) -> Callable:
+def _call(impl: str, score_mod, masks: dict, inputs, settings: Settings) -> Callable:
     library = flexattn if impl == "flexattn" else torch_flex
     compiled = torch.compile(library.flex_attention, fullgraph=True, dynamic=False, backend=settings.compile_backend)
     block_mask = masks["flexattn" if impl == "flexattn" else "torch"]
@@ -444,7 +444,7 @@ def run_case(case: Case, settings: Settings) -> tuple[dict[str, Any], list[dict[
             if impl == "torch_flex" and mode != "fwd" and device.type != "cuda":
                 record["note"] = "torch's flex_attention takes no inputs that require grad on CPU"
                 continue
-            forward = _call(impl, case, built, score_mod, masks, inputs, settings)
+            forward = _call(impl, score_mod, masks, inputs, settings)
 
             def step(forward=forward):
                 out = forward()

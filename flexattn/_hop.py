@@ -38,6 +38,7 @@ and regenerates the mask.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -296,10 +297,18 @@ def _plain_copy_like(t: Any, requires_grad: bool | None = None) -> Any:
     return copy.requires_grad_(requires_grad)
 
 
-def reject_mutating_mod(name: str, mod: Callable, example_args: Sequence) -> None:
-    """Raise ``MutatingModError`` when ``mod`` writes to any tensor in place."""
+@contextlib.contextmanager
+def _tracing_for_real():
+    """Trace a mod with make_fx on plain tensors, outside the functionalization and proxy
+    tracing of the call being traced (indexing with tensors as mods do)."""
     with _compat.suspend_functionalization(), _compat.disable_functional_mode(), \
             _compat.disable_proxy_modes_tracing(), IndexWithTensors():
+        yield
+
+
+def reject_mutating_mod(name: str, mod: Callable, example_args: Sequence) -> None:
+    """Raise ``MutatingModError`` when ``mod`` writes to any tensor in place."""
+    with _tracing_for_real():
         plain = [_plain_copy_like(a) for a in example_args]
         graph = _compat.make_fx(mod)(*plain)
     written = _mutated_inputs(graph)
@@ -358,8 +367,7 @@ def build_score_mod_graphs(score_mod: Callable, query: Tensor, score_mod_buffers
         buffer_grads = [next(grads_iter) if w else None for w in wants_grad]
         return (grads[0], *buffer_grads)
 
-    with _compat.suspend_functionalization(), _compat.disable_functional_mode(), \
-            _compat.disable_proxy_modes_tracing(), IndexWithTensors():
+    with _tracing_for_real():
         buffers = [_plain_copy_like(b) for b in score_mod_buffers]
         query = _plain_copy_like(query, requires_grad=False)
         fw_examples = scalar_examples(query, True)
@@ -372,8 +380,7 @@ def build_score_mod_graphs(score_mod: Callable, query: Tensor, score_mod_buffers
 
 def trace_score_mod(score_mod: Callable, query: Tensor, score_mod_buffers: Sequence) -> torch.fx.GraphModule:
     """score_mod traced to aten ops: ``(score, b, h, q_idx, kv_idx, *buffers) -> score``."""
-    with _compat.suspend_functionalization(), _compat.disable_functional_mode(), \
-            _compat.disable_proxy_modes_tracing(), IndexWithTensors():
+    with _tracing_for_real():
         buffers = [_plain_copy_like(b, requires_grad=False) for b in score_mod_buffers]
         examples = scalar_examples(_plain_copy_like(query, requires_grad=False), True)
         return _compat.make_fx(score_mod)(*examples, *buffers)

@@ -63,11 +63,6 @@ def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _checking_values() -> bool:
-    """Checks of tensor values cost a device sync; torch.compile skips them."""
-    return not torch.compiler.is_compiling()
-
-
 def _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_cos, rotary_sin,
                      cache_batch_idx, enable_gqa, page_cache, slots) -> None:
     """Every check, before anything is written."""
@@ -150,7 +145,7 @@ def _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_
         if not 0 < 2 * rotary_cos.shape[1] <= E:
             raise ValueError(f"flexattn: rotary_dim (2 * rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must be "
                              f"between 2 and the head dim {E}")
-    if not _checking_values():
+    if torch.compiler.is_compiling():  # the values are unknown while tracing; eagerly they cost a sync
         return
     if cache_seqlens.device != query.device:
         raise ValueError(f"flexattn: cache_seqlens must be on query's device ({query.device}), got "
@@ -185,19 +180,23 @@ def _pool_kv_block(row_length: int) -> int:
     return block
 
 
-def _length_blocks(lengths: Tensor, L: int, kv_len: int, row_blocks: int, block: int, offsets: Tensor,
-                   mask_mod: Callable) -> BlockMask:
+def _length_blocks(lengths: Tensor, L: int, kv_len: int, row_blocks: int, block: int, mask_mod: Callable,
+                   offsets: Tensor | None = None) -> BlockMask:
     """The block mask of keys before ``lengths[b]`` on (B, 1, L, kv_len): each row's full
-    blocks, then its one partial block, ids shifted by ``offsets[b]`` blocks; index rows
-    ``row_blocks`` wide."""
+    blocks, then its one partial block, ids shifted by ``offsets[b]`` blocks where given;
+    index rows ``row_blocks`` wide."""
     B = lengths.shape[0]
     q_blocks = max(1, math.ceil(L / KV_BLOCK))
     full = (lengths // block).to(torch.int32)
     partial = (lengths % block > 0).to(torch.int32)
     ids = torch.arange(row_blocks, device=lengths.device, dtype=torch.int32).view(1, 1, 1, row_blocks)
-    shift = offsets.to(torch.int32).view(B, 1, 1, 1)
-    full_ids = (ids + shift).expand(B, 1, q_blocks, row_blocks)
-    partial_ids = ((ids + full.view(B, 1, 1, 1)).clamp(max=row_blocks - 1) + shift).expand(B, 1, q_blocks, row_blocks)
+    partial_ids = (ids + full.view(B, 1, 1, 1)).clamp(max=row_blocks - 1)
+    full_ids = ids
+    if offsets is not None:
+        shift = offsets.to(torch.int32).view(B, 1, 1, 1)
+        partial_ids, full_ids = partial_ids + shift, full_ids + shift
+    full_ids = full_ids.expand(B, 1, q_blocks, row_blocks)
+    partial_ids = partial_ids.expand(B, 1, q_blocks, row_blocks)
     return BlockMask.from_kv_blocks(partial.view(B, 1, 1).expand(B, 1, q_blocks), partial_ids,
                                     full.view(B, 1, 1).expand(B, 1, q_blocks), full_ids,
                                     BLOCK_SIZE=(KV_BLOCK, block), mask_mod=mask_mod, seq_lengths=(L, kv_len),
@@ -308,8 +307,7 @@ def flex_attention_with_kvcache(
     if page_cache is not None:
         page, max_len = page_cache.page_size, page_cache.max_length
         if mask_mod is None:
-            logical = _length_blocks(lengths, L, max_len, math.ceil(max_len / page), page,
-                                     torch.zeros_like(lengths), logical_mask)
+            logical = _length_blocks(lengths, L, max_len, math.ceil(max_len / page), page, logical_mask)
         else:
             logical = create_block_mask(logical_mask, B, Hq, L, max_len, device=device, BLOCK_SIZE=(KV_BLOCK, page))
         return flex_attention(
@@ -319,8 +317,7 @@ def flex_attention_with_kvcache(
 
     if cache_batch_idx is None:
         if mask_mod is None:
-            block_mask = _length_blocks(lengths, L, S_max, math.ceil(S_max / KV_BLOCK), KV_BLOCK,
-                                        torch.zeros_like(lengths), logical_mask)
+            block_mask = _length_blocks(lengths, L, S_max, math.ceil(S_max / KV_BLOCK), KV_BLOCK, logical_mask)
         else:
             block_mask = create_block_mask(logical_mask, B, Hq, L, S_max, device=device)
         return flex_attention(query, k_cache, v_cache, score_mod=logical_score_mod, block_mask=block_mask,
@@ -340,7 +337,7 @@ def flex_attention_with_kvcache(
         return logical_mask(b, h, q_idx, kv_idx - base[b])
 
     if mask_mod is None:
-        block_mask = _length_blocks(lengths, L, kv_len, math.ceil(S_max / block), block, base // block, pool_mask)
+        block_mask = _length_blocks(lengths, L, kv_len, math.ceil(S_max / block), block, pool_mask, base // block)
     else:
         logical = create_block_mask(logical_mask, B, Hq, L, S_max, device=device, BLOCK_SIZE=(KV_BLOCK, block))
         offsets = (base // block).to(torch.int32).view(B, 1, 1, 1)
