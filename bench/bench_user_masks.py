@@ -350,9 +350,10 @@ def all_cases(formulations=None, shapes=SHAPES, head_dims=HEAD_DIMS, tops=(False
 # --------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------
-def kernel_us(step: Callable, grads: list[torch.Tensor]) -> float | None:
-    """GPU kernel time per call (µs): the call's kernels summed (profiler.kernel_table)."""
-    if not torch.cuda.is_available():
+def kernel_us(step: Callable, grads: list[torch.Tensor], device: torch.device) -> float | None:
+    """GPU kernel time per call (µs): the call's kernels summed (profiler.kernel_table);
+    None for a call on the CPU, on a machine with a GPU too."""
+    if device.type != "cuda":
         return None
     import profiler
 
@@ -478,7 +479,7 @@ def run_case(case: Case, settings: Settings) -> tuple[dict[str, Any], list[dict[
             shift = round_index % max(len(names), 1)
             for impl in names[shift:] + names[:shift]:
                 try:
-                    records[impl]["kernel_us_rounds"].append(kernel_us(steps[impl], grads))
+                    records[impl]["kernel_us_rounds"].append(kernel_us(steps[impl], grads, device))
                     records[impl]["wall_us_rounds"].append(wall_us(steps[impl], grads, device, settings.wall_calls))
                 except Exception as error:  # noqa: BLE001
                     records[impl]["error"] = ba.error_text(error)[:400]

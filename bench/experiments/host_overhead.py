@@ -1,9 +1,10 @@
-"""Where does a short call's time go? flexattn's and torch's compiled flex_attention at
-S <= 2048 (bf16, B=4, H=16): the host's time to issue one call, the GPU's kernel time per
-call (profiler), the time of back-to-back calls and do_bench's median (L2 flushed), plus
-the kernels each call launches and the host's busiest operators; ``--variants`` compares
-flexattn kernel_options (issue #26, short
-sequences). ``--code DIR`` also writes each library's Inductor output code per case.
+"""Where does a short call's time go? flexattn's and torch's compiled flex_attention on
+short or sparse calls (bf16; B=4 H=16 unless the case says otherwise): the host's time to
+issue one call, the GPU's kernel time per call (profiler), the time of back-to-back calls
+and do_bench's median (L2 flushed), plus the kernels each call launches and the host's
+busiest operators; ``--variants`` compares flexattn kernel_options. Modes: ``fwd`` (no
+grad), ``fwd_grad`` (inputs requiring grad, forward only) and ``fwdbwd``. ``--code DIR``
+also writes each library's Inductor output code per case.
 
     PYTHONPATH=. python bench/experiments/host_overhead.py --code $OUT/code
 """
@@ -25,33 +26,44 @@ import flexattn
 from flexattn import mods
 
 torch._dynamo.config.cache_size_limit = 256
-B, H = 4, 16
 
 
 def document(S):
     return mods.document_mask(torch.arange(S, device="cuda") * 8 // S)
 
 
+def document_causal(S):
+    return flexattn.and_masks(document(S), mods.causal_mask)
+
+
+def window(S):
+    return mods.sliding_window(S // 8)
+
+
+# name: (B, H, S, D, score_mod, mask_mod or a function of S building one)
 CASES = {
-    "causal_s1024_d64": (1024, 64, None, mods.causal_mask),
-    "causal_s1024_d128": (1024, 128, None, mods.causal_mask),
-    "document_s1024_d64": (1024, 64, None, "document"),
-    "document_s1024_d128": (1024, 128, None, "document"),
-    "alibi_causal_s2048_d64": (2048, 64, "alibi", mods.causal_mask),
-    "causal_s2048_d128": (2048, 128, None, mods.causal_mask),
-    "document_s8192_d128": (8192, 128, None, "document"),
+    "causal_s1024_d64": (4, 16, 1024, 64, None, mods.causal_mask),
+    "causal_s1024_d128": (4, 16, 1024, 128, None, mods.causal_mask),
+    "document_s1024_d64": (4, 16, 1024, 64, None, document),
+    "document_s1024_d128": (4, 16, 1024, 128, None, document),
+    "alibi_causal_s2048_d64": (4, 16, 2048, 64, "alibi", mods.causal_mask),
+    "causal_s2048_d128": (4, 16, 2048, 128, None, mods.causal_mask),
+    "document_s8192_d128": (4, 16, 8192, 128, None, document),
+    # Issue #49's host-time cases.
+    "doc_causal_b2h8s4096_d64": (2, 8, 4096, 64, None, document_causal),
+    "window_b2h8s4096_d128": (2, 8, 4096, 128, None, window),
 }
 
 
 def build(name, library, mode, kernel_options=None):
-    S, D, score, mask = CASES[name]
-    mask = document(S) if mask == "document" else mask
+    B, H, S, D, score, mask = CASES[name]
+    mask = mask(S) if mask in (document, document_causal, window) else mask
     score_mod = mods.alibi(H, device="cuda") if score == "alibi" else None
     lib = tflex if library == "torch" else flexattn
     block_mask = lib.create_block_mask(mask, None, None, S, S, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen,
-                           requires_grad=mode == "fwdbwd") for _ in range(3))
+                           requires_grad=mode != "fwd") for _ in range(3))
     grad = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     compiled = torch.compile(lib.flex_attention, fullgraph=True, dynamic=False)
 
@@ -67,7 +79,7 @@ def build(name, library, mode, kernel_options=None):
             split.append((middle - start, time.perf_counter() - middle))
         return out
 
-    return call, [q, k, v] if mode == "fwdbwd" else []
+    return call, [q, k, v] if mode != "fwd" else []
 
 
 def issue(call, grads, n, *args):
