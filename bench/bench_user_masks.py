@@ -91,11 +91,14 @@ DRY_SHAPE = Shape(1, 2, 256)
 
 @dataclasses.dataclass(frozen=True)
 class Built:
-    """A formulation made concrete for a shape: its mask_mod and lengths."""
+    """A formulation made concrete for a shape: its mask_mod, lengths, and whether the
+    mask reads b or h (otherwise its BlockMask is built once for all, as users build it)."""
 
     mask_mod: Callable
     q_len: int
     kv_len: int
+    reads_b: bool = False
+    reads_h: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +284,7 @@ def video_heads(shape: Shape, device: torch.device) -> Built:
         temporal = q_idx % F == kv_idx % F
         return torch.where(h < half, spatial, temporal)
 
-    return Built(mask_mod, shape.S, shape.S)
+    return Built(mask_mod, shape.S, shape.S, reads_h=True)
 
 
 def prefix_lm_per_sequence(shape: Shape, device: torch.device) -> Built:
@@ -291,7 +294,7 @@ def prefix_lm_per_sequence(shape: Shape, device: torch.device) -> Built:
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx < prompt[b]) | (q_idx >= kv_idx)
 
-    return Built(mask_mod, shape.S, shape.S)
+    return Built(mask_mod, shape.S, shape.S, reads_b=True)
 
 
 FORMULATIONS = {f.name: f for f in (
@@ -413,6 +416,13 @@ def _inputs(case: Case, built: Built, settings: Settings, requires_grad: bool):
     return (q, k, v), torch.randn(q.shape, generator=gen, device=settings.device, dtype=settings.dtype)
 
 
+_STARTED = time.perf_counter()
+
+
+def _progress(case: Case, what: str) -> None:
+    print(f"[{time.perf_counter() - _STARTED:7.1f} s] {case.name}: {what}", file=sys.stderr, flush=True)
+
+
 def run_case(case: Case, settings: Settings) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Every impl and mode of one case; never raises (a failure becomes the cell's ``error``)."""
     device = settings.device
@@ -421,9 +431,11 @@ def run_case(case: Case, settings: Settings) -> tuple[dict[str, Any], list[dict[
     try:
         built = FORMULATIONS[case.formulation].build(case.shape, device)
         score_mod = score_mod_on_top(case.on_top, case.shape.H, device) if case.on_top else None
-        B, H = case.shape.B, case.shape.H
+        B = case.shape.B if built.reads_b else None
+        H = case.shape.H if built.reads_h else None
         masks = {"flexattn": flexattn.create_block_mask(built.mask_mod, B, H, built.q_len, built.kv_len, device=device),
                  "torch": torch_flex.create_block_mask(built.mask_mod, B, H, built.q_len, built.kv_len, device=device)}
+        _progress(case, "block masks built")
     except Exception as error:  # noqa: BLE001 - a case that cannot be built is recorded
         info["error"] = ba.error_text(error)[:400]
         return info, [{"case": case.name, "mode": m, "impl": i, "error": info["error"]}
@@ -458,6 +470,7 @@ def run_case(case: Case, settings: Settings) -> tuple[dict[str, Any], list[dict[
                 out = step()
                 ba.synchronize(device)
                 record["compile_s"] = time.perf_counter() - start
+                _progress(case, f"{mode} {impl} first call {record['compile_s']:.1f} s")
                 results = [out.detach().float()] + [t.grad.detach().float() for t in grads]
             except Exception as error:  # noqa: BLE001 - every failure becomes a cell
                 record["error"] = ba.error_text(error)[:400]
@@ -484,6 +497,7 @@ def run_case(case: Case, settings: Settings) -> tuple[dict[str, Any], list[dict[
                 except Exception as error:  # noqa: BLE001
                     records[impl]["error"] = ba.error_text(error)[:400]
                     names.remove(impl)
+        _progress(case, f"{mode} timed")
         for impl in names:
             rounds = records[impl]
             kernels = [x for x in rounds.pop("kernel_us_rounds") if x is not None]

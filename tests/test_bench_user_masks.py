@@ -78,3 +78,12 @@ def test_dry_run_writes_kernel_and_wall_times_beside_torch(tmp_path):
         assert "note" in cells[(case["name"], "fwd", "torch_flash")]
     assert "doc_offsets_causal+alibi_b1h2s256_d16" in saved["markdown"]
     assert saved["summary"]["fwd"]["small_wall_cases"] == 4
+
+
+@pytest.mark.parametrize("name", sorted(um.FORMULATIONS))
+def test_masks_that_do_not_say_they_read_b_or_h_are_the_same_for_every_b_and_h(name):
+    """The suite builds such masks once for the batch and the heads (B and H None)."""
+    built = um.FORMULATIONS[name].build(SHAPE, CPU)
+    dense = _dense(name)
+    assert built.reads_b == any(not torch.equal(dense[b], dense[0]) for b in range(SHAPE.B))
+    assert built.reads_h == any(not torch.equal(dense[:, h], dense[:, 0]) for h in range(SHAPE.H))
