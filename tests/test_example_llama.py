@@ -1,4 +1,5 @@
-"""examples/llama_paged.py at its --tiny size on the CPU, in-process.
+"""examples/llama_paged.py at its --tiny size, in-process: on the CPU, and on a GPU with
+CUDA graphs.
 
 The example prefills a batch of prompts, decodes greedily with the paged KV cache (the
 decode step under torch.compile) and checks its logits against a float64 run of the same
@@ -15,9 +16,10 @@ import torch
 from conftest import DEVICE, load_example
 
 llama = load_example("llama_paged.py")
-pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of the example; on a GPU run it with --device cuda")
+on_cpu = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of the example")
 
 
+@on_cpu
 def test_tiny_run_passes_eager_backend(capsys):
     summary = llama.run(["--tiny", "--backend", "eager"])
     assert summary["ok"], summary
@@ -28,6 +30,7 @@ def test_tiny_run_passes_eager_backend(capsys):
     assert llama.main(["--tiny", "--backend", "eager"]) == 0
 
 
+@on_cpu
 @pytest.mark.parametrize("layout", ["pages", "heads"])
 def test_tiny_run_passes_inductor(layout):
     """The decode step through Inductor (C++ for the model, flexattn's CPU lowering), on
@@ -37,6 +40,7 @@ def test_tiny_run_passes_inductor(layout):
     assert summary["max_abs_err"] < 1e-4
 
 
+@on_cpu
 def test_wrong_paged_attention_fails(monkeypatch, capsys):
     """A decode mask that hides the token's own key: the logits no longer match."""
     def hides_current_token(self, slots, positions):
@@ -54,6 +58,7 @@ def test_wrong_paged_attention_fails(monkeypatch, capsys):
     assert "logit error" in capsys.readouterr().err
 
 
+@on_cpu
 def test_recompiling_step_fails(monkeypatch, capsys):
     """A mask that closes over a Python int changing every step recompiles the step."""
     original = llama.PagedServer.decode_block_mask
@@ -76,6 +81,7 @@ def test_recompiling_step_fails(monkeypatch, capsys):
     assert "recompiled" in capsys.readouterr().err
 
 
+@on_cpu
 def test_fused_step_matches_the_unfused_step_token_for_token():
     """Decoding through flex_attention_with_kvcache (rotary, append and attention in one
     call) generates the tokens the unfused step generates, compiles once and passes the
@@ -85,4 +91,18 @@ def test_fused_step_matches_the_unfused_step_token_for_token():
     fused = llama.run(argv + ["--fused-step"])
     assert fused["ok"] and unfused["ok"], (fused, unfused)
     assert fused["recompiles"] == 0 and fused["fused_step"]
+    assert fused["generated"] == unfused["generated"]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_fused_step_under_cuda_graphs_matches_the_unfused_step():
+    """The decode step compiled with mode="reduce-overhead": the fused step (rotary,
+    in-place append and attention through flex_attention_with_kvcache) is captured and
+    replayed as a CUDA graph, with no skip and no recompile, and generates the unfused
+    step's tokens."""
+    argv = ["--device", "cuda", "--cuda-graphs", "--tiny", "--new-tokens", "6", "--prompt-lengths", "17,3,9"]
+    unfused = llama.run(argv)
+    fused = llama.run(argv + ["--fused-step"])
+    assert fused["ok"] and unfused["ok"], (fused, unfused)
+    assert fused["cudagraph_skips"] == 0 and fused["recompiles"] == 0
     assert fused["generated"] == unfused["generated"]
