@@ -286,3 +286,37 @@ def test_default_choice_on_hopper_is_logged(caplog):
     with caplog.at_level("INFO", logger="flexattn.lowering"):
         torch.compile(flexattn.flex_attention)(q, k, v)
     assert any("forward kernel Triton (dtype torch.float32" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")
+def test_back_to_back_calls_finish_when_one_warpgroup_lags():
+    """A mask whose cost falls on warpgroup 1's rows only (rows 64-127 of each query tile
+    chase scattered gathers), on causal tiles walked partial block first: warpgroup 0
+    finishes its last, cheap full block while warpgroup 1 is still masking, the skew at
+    which an unmatched turn arrival hung the kernel (two benchmark runs stalled on user
+    masks). 201 launches must finish; the GPU is polled, never waited on, so a hang fails
+    the test instead of blocking it."""
+    import time
+
+    R = 1 << 22
+    perm = torch.randperm(R, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+
+    def lagging_rows(b, h, q_idx, kv_idx):
+        j = torch.where(q_idx % 128 >= 64, (q_idx * 8191 + kv_idx * 131) % R, 0)
+        for _ in range(4):
+            j = perm[j]
+        return (kv_idx <= q_idx) & (j >= 0)
+
+    S = 4096
+    block_mask = flexattn.create_block_mask(lagging_rows, None, None, S, S, device=DEVICE)
+    q, k, v = (torch.randn(1, 16, S, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    compiled = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
+    expected = compiled(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "TRITON"})
+    for _ in range(201):
+        out = compiled(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "GLUON"})
+    done, deadline = torch.cuda.Event(), time.monotonic() + 60
+    done.record()
+    while not done.query():
+        assert time.monotonic() < deadline, "201 Gluon launches did not finish within 60 s: a kernel hangs"
+        time.sleep(0.05)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
