@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import faulthandler
 import json
 import math
 import shlex
@@ -632,6 +633,9 @@ def parse_args(argv):
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated of {list(IMPLS)}")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds taken in turn (default 3)")
     parser.add_argument("--part", help="K/N: the K-th of N contiguous slices of the selected cases")
+    parser.add_argument("--case-timeout", type=float, default=600.0,
+                        help="seconds a case may take before every thread's stack is printed and the run ends "
+                             "(the cases before it are already written; default 600)")
     parser.add_argument("--out", type=Path, help="results folder (default bench/results; dry run: bench/results/dry-run)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, float32, eager compile backend")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
@@ -695,7 +699,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = None
     for case in cases:
         print(f"case {case.name}", file=sys.stderr, flush=True)
+        # A case that hangs (a kernel that never finishes, a stuck compile) shows where.
+        faulthandler.dump_traceback_later(args.case_timeout, exit=True)
         info, cells = run_case(case, settings)
+        faulthandler.cancel_dump_traceback_later()
         report["cases"].append(info)
         report["results"].extend(cells)
         path = write(report, out_dir, stem)

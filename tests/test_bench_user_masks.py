@@ -87,3 +87,20 @@ def test_masks_that_do_not_say_they_read_b_or_h_are_the_same_for_every_b_and_h(n
     dense = _dense(name)
     assert built.reads_b == any(not torch.equal(dense[b], dense[0]) for b in range(SHAPE.B))
     assert built.reads_h == any(not torch.equal(dense[:, h], dense[:, 0]) for h in range(SHAPE.H))
+
+
+def test_a_case_past_its_timeout_ends_the_run_with_every_stack(tmp_path):
+    """A hung case (here a sleep in place of the case) prints where each thread stands and
+    ends the run instead of blocking it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    script = (f"import sys, time; sys.path.insert(0, {str(bench)!r}); import bench_user_masks as um; "
+              "um.run_case = lambda case, settings: time.sleep(60); "
+              f"um.main(['--dry-run', '--out', {str(tmp_path)!r}, '--formulations', 'doc_ids', '--tops', 'plain', "
+              "'--mode', 'fwd', '--case-timeout', '2'])")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "Timeout" in run.stderr and "<lambda>" in run.stderr
