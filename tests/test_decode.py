@@ -299,6 +299,17 @@ def test_split_kv_pinned(split, merge):
     assert len(_decode_kernels(code)) == (2 if two_launches else 1)
 
 
+@pytest.mark.parametrize("merge", sorted(MERGES))
+@pytest.mark.parametrize("split", [1, 3])
+def test_float64_shares_and_statistics_stay_float64(split, merge):
+    """float64 inputs: the shares, their merge and the returned lse and max in float64, as
+    the main kernel's (within the harness's float64 floor, 1e-10)."""
+    L, S = 1, 300
+    out, _ = run_case(dtype=torch.float64, Hq=2, Hkv=2, L=L, S=S, E=16, mask_mod=causal_at(_offset(L, S)),
+                      options={"SPLIT_KV": split, **MERGES[merge]})
+    assert out[1].dtype == out[2].dtype == torch.float64
+
+
 def test_split_kv_automatic():
     """Fewer tiles than (virtual) multiprocessors split the KV steps; as many tiles as
     multiprocessors or more run unsplit, in one launch (the host's rule, on the device

@@ -117,13 +117,16 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
     v_dim = spec["V_HEAD_DIM"]
     part_size = [B, Hq, L, split_kv]
 
+    # The shares and statistics in the accumulator's precision: float64 for float64 inputs.
+    work_dtype = stats_dtype(query.get_dtype())
+
     def scratch(size):
-        return common.dense_buffer(size, device, torch.float32)
+        return common.dense_buffer(size, device, work_dtype)
 
     workspace = None
     if not plan.fused_merge:
         # The template's output is the partial acc; the merge pass makes out, lse and max.
-        layout = ir.FixedLayout(device, torch.float32, [*part_size, v_dim],
+        layout = ir.FixedLayout(device, work_dtype, [*part_size, v_dim],
                                 ir.FlexibleLayout.contiguous_strides([*part_size, v_dim]))
         buffers = {"m_part": scratch(part_size), "l_part": scratch(part_size)}
     else:
