@@ -130,6 +130,8 @@ def _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_
     elif not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("flexattn: with cache_batch_idx, k_cache and v_cache must be contiguous (the cache is "
                          "read in place as a pool of rows)")
+    else:
+        _pool_kv_block(Hkv * S_max)  # each cache row must start a KV block of the pool
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("flexattn: rotary_cos and rotary_sin go together: pass both or neither")
     if rotary_cos is not None:
@@ -158,6 +160,12 @@ def _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_
     if rotary_cos is not None and longest + max(L, L_new) > rotary_cos.shape[0]:
         raise ValueError(f"flexattn: the rotary tables have {rotary_cos.shape[0]} positions, the step needs "
                          f"{longest + max(L, L_new)} (cache_seqlens up to {longest}, {max(L, L_new)} new rows)")
+    if page_cache is not None:
+        for b, (slot, length) in enumerate(zip(slots.tolist(), lengths)):
+            if length + L_new > page_cache.capacity(slot):
+                raise ValueError(f"flexattn: cache_seqlens[{b}] + the {L_new} new tokens = {length + L_new} is past "
+                                 f"slot {slot}'s reserved pages (capacity {page_cache.capacity(slot)} tokens); call "
+                                 f"page_cache.reserve({slot}, length) first")
     if cache_batch_idx is not None:
         if cache_batch_idx.device != query.device:
             raise ValueError(f"flexattn: cache_batch_idx must be on query's device ({query.device}), got "
@@ -244,7 +252,8 @@ def flex_attention_with_kvcache(
             (B,) int32/int64 tensor on query's device.
         rotary_cos, rotary_sin: (S_rot, rotary_dim / 2) tables, or None for no rotary.
         cache_batch_idx: (B,) int tensor, the cache row of each sequence (each row named
-            once); without it B_cache must be B.
+            once); without it B_cache must be B. With it the cache is read in place as
+            a pool of rows, so Hkv * S_max must be a multiple of 16.
         page_cache, slots: a ``PagedKVCache`` whose pools are k_cache and v_cache, and
             the (B,) slots of the batch's sequences (instead of cache_batch_idx): the new
             tokens go through ``page_cache.append`` (reserve the pages first) and
@@ -293,16 +302,20 @@ def flex_attention_with_kvcache(
     def logical_mask(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]
 
+    # The user's mods see key positions inside the sequence's row: in a pool a row's last
+    # block runs into the next row, whose entries are masked but would still be read
+    # from the mods' own tables.
+    last_key = (page_cache.max_length if page_cache is not None else S_max) - 1
     if mask_mod is not None:
         def user_mask(b, h, q_idx, kv_idx):
-            return mask_mod(b, h, seqlens[b] + q_idx, kv_idx)
+            return mask_mod(b, h, seqlens[b] + q_idx, kv_idx.clamp(0, last_key))
 
         logical_mask = and_masks(logical_mask, user_mask)
 
     logical_score_mod = None
     if score_mod is not None:
         def logical_score_mod(score, b, h, q_idx, kv_idx):
-            return score_mod(score, b, h, seqlens[b] + q_idx, kv_idx)
+            return score_mod(score, b, h, seqlens[b] + q_idx, kv_idx.clamp(0, last_key))
 
     if page_cache is not None:
         page, max_len = page_cache.page_size, page_cache.max_length

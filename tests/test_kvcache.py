@@ -282,3 +282,34 @@ def test_bad_tensors_are_refused_before_any_write():
         with pytest.raises(ValueError, match=message):
             call()
     assert torch.equal(k_cache, before)
+
+
+def test_a_cache_that_cannot_be_read_as_a_pool_is_refused_before_any_write():
+    """With cache_batch_idx each cache row must start a KV block of the pool: Hkv * S_max
+    = 2 * 20 is no multiple of 16."""
+    q, _, _, k, v, args = _bad_inputs()
+    k_cache, v_cache = torch.randn(3, 2, 20, 16, device=DEVICE), torch.randn(3, 2, 20, 16, device=DEVICE)
+    before = (k_cache.clone(), v_cache.clone())
+    with pytest.raises(ValueError, match=r"Hkv \* S_max \(40\) must be a multiple of 16"):
+        flexattn.flex_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_batch_idx=torch.tensor([2, 0], device=DEVICE),
+                                             **{**args, "cache_seqlens": torch.tensor([3, 7], device=DEVICE)})
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("new_tokens", [0, 1])
+def test_lengths_past_a_slots_reserved_pages_are_refused(new_tokens):
+    """A page_cache slot holds only its reserved pages: lengths past them (with or without
+    new tokens, and on a slot with no pages) are an error, not a silently shorter row."""
+    cache = flexattn.PagedKVCache(n_pages=8, page_size=16, max_slots=3, device=DEVICE, max_pages_per_slot=4)
+    k_pool, v_pool = cache.allocate(num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    cache.reserve(0, 32)
+    q = torch.randn(2, 2, 1, 16, device=DEVICE)
+    k, v = (torch.randn(2, 2, new_tokens, 16, device=DEVICE) for _ in range(2)) if new_tokens else (None, None)
+    before = k_pool.clone()
+    for lengths, message in (([40 - new_tokens, 0], r"cache_seqlens\[0\] \+ the \d new tokens = 40 is past slot 0's "
+                                                    r"reserved pages \(capacity 32 tokens\)"),
+                             ([3, 5], r"cache_seqlens\[1\] .* past slot 2's reserved pages \(capacity 0 tokens\)")):
+        with pytest.raises(ValueError, match=message):
+            flexattn.flex_attention_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=torch.tensor(lengths, device=DEVICE),
+                                                 page_cache=cache, slots=torch.tensor([0, 2], device=DEVICE))
+    assert torch.equal(k_pool, before)
