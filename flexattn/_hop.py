@@ -396,7 +396,8 @@ def check_score_mod_row_products(score_mod: Callable, query: Tensor, key: Tensor
     """Raise ``ModError`` when score_mod has a row product that cannot be folded (at
     capture, so the error reaches the caller before any compile work)."""
     try:
-        plan_folding(trace_score_mod(score_mod, query, score_mod_buffers), query.shape, key.shape, scale)
+        plan_folding(trace_score_mod(score_mod, query, score_mod_buffers), query.shape, key.shape, scale,
+                     key.dtype)
     except RowProductError as e:
         raise _row_product_error(e) from e
 

@@ -44,6 +44,12 @@ SCALAR_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 _CASTS = (aten._to_copy.default, aten.to.dtype, aten.clone.default)
 
 
+def _floating_cast(node: Node) -> bool:
+    """A cast to a floating dtype (or a copy): one that keeps the dot product's value."""
+    dtype = node.kwargs.get("dtype", node.args[1] if len(node.args) > 1 else None)
+    return dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+
+
 class RowProductError(ValueError):
     """A row product that looks foldable but cannot be folded, with the reason."""
 
@@ -156,7 +162,10 @@ def _follow_to_score(reduction: Node, query_row: Node, key_row: Node, score: Nod
         user = next(iter(node.users))
         args = user.args
         if user.target in _CASTS and not set(user.kwargs) - {"dtype"} and args[0] is node:
-            pass
+            if not _floating_cast(user):
+                raise RowProductError(
+                    "the dot product is cast to a non-floating dtype, which changes its value, and folded into "
+                    "QK^T it could not be: cast it to a floating dtype or not at all")
         elif user.target in (aten.mul.Tensor, aten.div.Tensor) and not user.kwargs and node in args:
             other = args[1] if args[0] is node else args[0]
             divides = user.target is aten.div.Tensor
@@ -164,6 +173,10 @@ def _follow_to_score(reduction: Node, query_row: Node, key_row: Node, score: Nod
                 return None
             if isinstance(other, (int, float)) and not isinstance(other, bool):
                 numbers = numbers / other if divides else numbers * other
+            elif isinstance(other, Node) and other.target is aten._local_scalar_dense.default \
+                    and _is_zero_d(other.args[0]) and not deps[other.args[0]] & {"score", "kv_idx"}:
+                # A captured number made a 0-d graph input (dynamic shapes) and read back.
+                factors.append((other.args[0], divides))
             elif _is_zero_d(other) and not deps[other] & {"score", "kv_idx"}:
                 factors.append((other, divides))
             else:
@@ -174,6 +187,11 @@ def _follow_to_score(reduction: Node, query_row: Node, key_row: Node, score: Nod
                 if args[1] is not node:
                     return None
                 numbers = -numbers
+            if len(score.users) != 1:
+                raise RowProductError(
+                    "the score_mod uses its score argument again besides adding the dot product to it; folded "
+                    "into QK^T the dot product would reach those uses too: add it to the score once, first "
+                    "(score = score + dot(...)), and use only that sum afterwards")
             return _Term(reduction, query_row, key_row, numbers, factors, chain, user)
         else:
             return None
@@ -235,11 +253,19 @@ def _key_head_map(gm: GraphModule, key_row: Node, num_groups: int) -> dict[Node,
         return None
     uses = [u for u in h.users if u in needed]
 
+    def is_groups(divisor) -> bool:
+        # Under dynamic shapes the divisor is a node holding a SymInt.
+        value = divisor.meta.get("val") if isinstance(divisor, Node) else divisor
+        try:
+            return bool(value == num_groups)
+        except (TypeError, RuntimeError):
+            return False
+
     def is_group_of(u: Node) -> bool:
         if u.target is aten.floor_divide.default or u.target is operator.floordiv:
-            return u.args[0] is h and u.args[1] == num_groups
+            return u.args[0] is h and is_groups(u.args[1])
         if u.target is aten.div.Tensor_mode:
-            return u.args[0] is h and u.args[1] == num_groups and u.kwargs.get("rounding_mode") == "floor"
+            return u.args[0] is h and is_groups(u.args[1]) and u.kwargs.get("rounding_mode") == "floor"
         return False
 
     if not all(is_group_of(u) for u in uses):
@@ -309,7 +335,7 @@ def _grid_rows(rows: GraphModule, sizes: tuple[Any, Any, Any], buffers: Sequence
 
 
 def plan_folding(score_graph: GraphModule, query_shape: Sequence[Any], key_shape: Sequence[Any],
-                 scale: float) -> Folding | None:
+                 scale: float, key_dtype: torch.dtype | None = None) -> Folding | None:
     """The row products of ``score_graph`` to fold for a query and key of these shapes,
     or None when it has none; raises ``RowProductError`` when one cannot be folded.
 
@@ -324,6 +350,9 @@ def plan_folding(score_graph: GraphModule, query_shape: Sequence[Any], key_shape
         raise RowProductError("scale is 0, so the query-side rows cannot be scaled into the query")
     if any(term.key_reads_batch for term in folding.terms) and Bk != B:
         raise RowProductError(f"the key-side row reads b, but key has batch {Bk} for the query's {B}")
+    if key_dtype is not None and key_dtype.itemsize == 1:
+        raise RowProductError(f"key is {key_dtype}: its folded rows would be rounded to it; pass the key in "
+                              f"the query's dtype to fold a dot product into QK^T")
     return folding
 
 
@@ -332,7 +361,7 @@ def fold_row_products(query: Tensor, key: Tensor, score_graph: GraphModule, scal
     """``(query', key', score_graph', buffers')`` with the row products of ``score_graph``
     folded into extra head-dim columns (each row cast to the query's dtype), or None
     when it has none."""
-    folding = plan_folding(score_graph, query.shape, key.shape, scale)
+    folding = plan_folding(score_graph, query.shape, key.shape, scale, key.dtype)
     if folding is None:
         return None
     B, H, L, _ = query.shape

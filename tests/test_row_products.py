@@ -122,13 +122,32 @@ def test_leaves_what_is_not_a_row_product_added_to_the_score(case):
     assert find_row_products(_graph(NOT_FOLDED[case], QP, KP), num_groups=1) is None
 
 
+REFUSED = {
+    # Folded, the dot product would reach the other use of the score too.
+    "score_used_again": (lambda s, b, h, q, kv, qp, kp: torch.where(kv <= q, s + torch.dot(qp[b, h, q], kp[b, kv]), s),
+                         r"uses its score argument again"),
+    # Folded, the truncation would be lost.
+    "integer_cast": (lambda s, b, h, q, kv, qp, kp: s + torch.dot(qp[b, h, q], kp[b, kv]).to(torch.int32),
+                     r"cast to a non-floating dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refuses_a_row_product_whose_fold_would_change_the_mod(case):
+    score_mod, message = REFUSED[case]
+    with pytest.raises(RowProductError, match=message):
+        find_row_products(_graph(score_mod, QP, KP), num_groups=1)
+
+
 # --------------------------------------------------------------------------------------
 # Numerics through the public API
 # --------------------------------------------------------------------------------------
 def _run_mla(*, dtype, B=2, Hq=4, Hkv=2, L=40, S=48, E=32, Ev=16, R=16, shared_key_rows=True,
-             on_top=None, causal=True, seed=0, dynamic=False):
+             on_top=None, causal=True, seed=0, dynamic=False, mod_outside=False):
     """Forward and backward of attention with MLA's decoupled RoPE (q_pe and k_pe learnable,
-    in the test dtype as MLA keeps them), three ways."""
+    in the test dtype as MLA keeps them), three ways. ``mod_outside``: the score_mod is
+    made outside the compiled function (its scale a captured number, its group count read
+    off captured shapes)."""
     gen = harness.generator(seed)
     q, k, v = harness.make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, dtype=dtype)
     q_pe = harness.randn(gen, B, Hq, L, R, dtype=dtype)
@@ -155,8 +174,11 @@ def _run_mla(*, dtype, B=2, Hq=4, Hkv=2, L=40, S=48, E=32, Ev=16, R=16, shared_k
     golden, ref = harness.reference_runs(reference, (q, k, v, grad_out, grad_lse, q_pe, k_pe))
     cq, ck, cv, cq_pe, ck_pe = harness.copies((q, k, v, q_pe, k_pe))
 
+    made_outside = score_mod_of(cq_pe, ck_pe)
+
     def attend(q, k, v):
-        out, aux = flexattn.flex_attention(q, k, v, score_mod=score_mod_of(cq_pe, ck_pe), block_mask=block_mask,
+        score_mod = made_outside if mod_outside else score_mod_of(cq_pe, ck_pe)
+        out, aux = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                            scale=scale, enable_gqa=Hq != Hkv, return_aux=AuxRequest(lse=True))
         return out, aux.lse
 
@@ -191,6 +213,23 @@ def test_decoupled_rope_decoding_one_query_on_a_shared_key_head():
 def test_decoupled_rope_dynamic_lengths():
     for L in (24, 40):
         _run_mla(dtype=torch.float16, L=L, S=L, dynamic=True, seed=L)
+
+
+@pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+def test_decoupled_rope_made_outside_the_compiled_function_dynamic_lengths_per_kv_head_rows():
+    """Under dynamic shapes the mod's scale arrives as a number read from a 0-d input and
+    its group count (q_pe's heads // k_pe's) as a symbolic size: both still fold."""
+    for L in (24, 40):
+        _run_mla(dtype=torch.float16, L=L, S=L, dynamic=True, seed=L, shared_key_rows=False, mod_outside=True)
+
+
+@pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
+def test_a_row_product_is_not_folded_into_float8_keys():
+    q = torch.randn(1, 2, 16, 16, device=DEVICE)
+    k, v = (torch.randn(1, 2, 16, 16, device=DEVICE).to(torch.float8_e4m3fn) for _ in range(2))
+    q_pe, k_pe = torch.randn(1, 2, 16, 8, device=DEVICE), torch.randn(1, 16, 8, device=DEVICE)
+    with pytest.raises(ModError, match=r"key is torch.float8_e4m3fn: its folded rows would be rounded"):
+        flexattn.flex_attention(q, k, v, score_mod=mods.decoupled_rope(q_pe, k_pe, 0.2))
 
 
 @pytest.mark.usefixtures("inductor_runs_flexattn_kernels")
