@@ -72,8 +72,9 @@ CODE_VERSION = _code_version()
 class AuxRequest:
     """Which auxiliary results ``flex_attention(..., return_aux=AuxRequest(...))`` returns.
 
-    lse: the log-sum-exp of each query row's scores (natural log, float32, (B, H, L)).
-    max_scores: the largest modified score of each query row (float32, (B, H, L)).
+    lse: the log-sum-exp of each query row's scores (natural log, (B, H, L), float32;
+        float64 for float64 inputs).
+    max_scores: the largest modified score of each query row ((B, H, L), as lse).
     probabilities: a debugging aid (FlashAttention's return-softmax): the attention
     probabilities as the call applies them, (B, H, L, S) float32 (float64 for float64
     inputs), after score_mod, the mask and the sinks; with dropout the kept entries are
