@@ -73,7 +73,7 @@ class AuxRequest:
     """Which auxiliary results ``flex_attention(..., return_aux=AuxRequest(...))`` returns.
 
     lse: the log-sum-exp of each query row's scores (natural log, (B, H, L), float32;
-        float64 for float64 inputs).
+    float64 for float64 inputs).
     max_scores: the largest modified score of each query row ((B, H, L), as lse).
     probabilities: a debugging aid (FlashAttention's return-softmax): the attention
     probabilities as the call applies them, (B, H, L, S) float32 (float64 for float64
