@@ -7,8 +7,9 @@ sequence's length, and attends over the updated cache, with flex_attention's mod
 
 The cache is a contiguous (B_cache, Hkv, S_max, D) tensor pair, or the pools of a
 ``PagedKVCache`` (``page_cache`` and ``slots``: the append and the attention go through
-its pages). In a contiguous cache ``cache_batch_idx`` picks each sequence's row. Without it the cache's rows are the batch's and attention
-reads the cache as it is. With it, the cache is read in place through a strided view
+its pages). In a contiguous cache ``cache_batch_idx`` picks each sequence's row. Without
+it the cache's rows are the batch's and attention reads the cache as it is. With it, the
+cache is read in place through a strided view
 with one row after another (a pool, as ``PagedKVCache``'s "pages" layout, one page per
 row), and the block mask lists each sequence's blocks in its row: no row is copied.
 
@@ -299,23 +300,21 @@ def flex_attention_with_kvcache(
             v_cache.index_put_(where, value)
         lengths = seqlens + L_new
 
-    def logical_mask(b, h, q_idx, kv_idx):
+    def in_length(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]
 
-    # The user's mods see key positions inside the sequence's row: in a pool a row's last
-    # block runs into the next row, whose entries are masked but would still be read
-    # from the mods' own tables.
-    last_key = (page_cache.max_length if page_cache is not None else S_max) - 1
+    user_mask = None
+    logical_mask = in_length
     if mask_mod is not None:
         def user_mask(b, h, q_idx, kv_idx):
-            return mask_mod(b, h, seqlens[b] + q_idx, kv_idx.clamp(0, last_key))
+            return mask_mod(b, h, seqlens[b] + q_idx, kv_idx)
 
-        logical_mask = and_masks(logical_mask, user_mask)
+        logical_mask = and_masks(in_length, user_mask)
 
     logical_score_mod = None
     if score_mod is not None:
         def logical_score_mod(score, b, h, q_idx, kv_idx):
-            return score_mod(score, b, h, seqlens[b] + q_idx, kv_idx.clamp(0, last_key))
+            return score_mod(score, b, h, seqlens[b] + q_idx, kv_idx)
 
     if page_cache is not None:
         page, max_len = page_cache.page_size, page_cache.max_length
@@ -346,8 +345,14 @@ def flex_attention_with_kvcache(
     values = v_cache.as_strided((1, Hkv, kv_len, Ev), (0, S_max * Ev, Ev, 1))
     base = rows * row_length
 
+    # A row's last block runs into the next row: the length masks those keys, and the
+    # user's mods see them clamped into the row (their own tables are S_max long).
     def pool_mask(b, h, q_idx, kv_idx):
-        return logical_mask(b, h, q_idx, kv_idx - base[b])
+        in_row = kv_idx - base[b]
+        visible = in_length(b, h, q_idx, in_row)
+        if user_mask is not None:
+            visible = visible & user_mask(b, h, q_idx, in_row.clamp(0, S_max - 1))
+        return visible
 
     if mask_mod is None:
         block_mask = _length_blocks(lengths, L, kv_len, math.ceil(S_max / block), block, pool_mask, base // block)
@@ -362,7 +367,7 @@ def flex_attention_with_kvcache(
     pool_score_mod = None
     if score_mod is not None:
         def pool_score_mod(score, b, h, q_idx, kv_idx):
-            return logical_score_mod(score, b, h, q_idx, kv_idx - base[b])
+            return logical_score_mod(score, b, h, q_idx, (kv_idx - base[b]).clamp(0, S_max - 1))
 
     return flex_attention(query, keys, values, score_mod=pool_score_mod, block_mask=block_mask, scale=scale,
                           enable_gqa=enable_gqa, return_aux=return_aux, kernel_options=kernel_options)

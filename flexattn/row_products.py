@@ -171,12 +171,11 @@ def _follow_to_score(reduction: Node, query_row: Node, key_row: Node, score: Nod
             divides = user.target is aten.div.Tensor
             if divides and args[0] is not node:
                 return None
+            if isinstance(other, Node) and other.target is aten._local_scalar_dense.default:
+                # A captured number made a 0-d graph input (dynamic shapes) and read back.
+                other = other.args[0]
             if isinstance(other, (int, float)) and not isinstance(other, bool):
                 numbers = numbers / other if divides else numbers * other
-            elif isinstance(other, Node) and other.target is aten._local_scalar_dense.default \
-                    and _is_zero_d(other.args[0]) and not deps[other.args[0]] & {"score", "kv_idx"}:
-                # A captured number made a 0-d graph input (dynamic shapes) and read back.
-                factors.append((other.args[0], divides))
             elif _is_zero_d(other) and not deps[other] & {"score", "kv_idx"}:
                 factors.append((other, divides))
             else:
@@ -335,9 +334,10 @@ def _grid_rows(rows: GraphModule, sizes: tuple[Any, Any, Any], buffers: Sequence
 
 
 def plan_folding(score_graph: GraphModule, query_shape: Sequence[Any], key_shape: Sequence[Any],
-                 scale: float, key_dtype: torch.dtype | None = None) -> Folding | None:
-    """The row products of ``score_graph`` to fold for a query and key of these shapes,
-    or None when it has none; raises ``RowProductError`` when one cannot be folded.
+                 scale: float, key_dtype: torch.dtype) -> Folding | None:
+    """The row products of ``score_graph`` to fold for a query and key of these shapes
+    (and key dtype), or None when it has none; raises ``RowProductError`` when one cannot
+    be folded.
 
     ``score_graph``: the score_mod traced to aten ops with its buffers as placeholders.
     """
@@ -350,7 +350,7 @@ def plan_folding(score_graph: GraphModule, query_shape: Sequence[Any], key_shape
         raise RowProductError("scale is 0, so the query-side rows cannot be scaled into the query")
     if any(term.key_reads_batch for term in folding.terms) and Bk != B:
         raise RowProductError(f"the key-side row reads b, but key has batch {Bk} for the query's {B}")
-    if key_dtype is not None and key_dtype.itemsize == 1:
+    if key_dtype.itemsize == 1:
         raise RowProductError(f"key is {key_dtype}: its folded rows would be rounded to it; pass the key in "
                               f"the query's dtype to fold a dot product into QK^T")
     return folding

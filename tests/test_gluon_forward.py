@@ -27,6 +27,7 @@ from flexattn.lowering import dispatch
 from flexattn.lowering.configs import gluon_forward as gluon_configs
 from flexattn.lowering.forward_plan import ForwardInputs, ForwardPlan, plan_forward
 from flexattn.lowering.gluon_template import gluon_compatible
+from flexattn.templates import kernel_source
 
 import _harness as harness
 from conftest import DEVICE
@@ -252,16 +253,9 @@ BARRIER_COUNTS = {"q_ready": 1, "k_ready": 1, "v_ready": 1, "k_empty": 2, "v_emp
 
 
 def _template_ops(function: str) -> list[tuple]:
-    source = kernel_source_of_gluon_forward()
-    body = source.split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
+    body = kernel_source("gluon_forward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
     return [(op, bar, index or None) for op, bar, index in
             re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", body)]
-
-
-def kernel_source_of_gluon_forward() -> str:
-    from flexattn.templates import kernel_source
-
-    return kernel_source("gluon_forward")
 
 
 def _programs(tiles: int, stages: int, extra_final_turn: bool = False) -> list[list[tuple]]:
