@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .api import AuxRequest, flex_attention
 from .block_mask import BlockMask, and_masks, create_block_mask
+from .kvcache_prologue import apply_rotary, kv_step_prologue
 from .paged import PagedKVCache
 
 __all__ = ["apply_rotary", "flex_attention_with_kvcache"]
@@ -37,27 +38,6 @@ __all__ = ["apply_rotary", "flex_attention_with_kvcache"]
 #: start at multiples of it.
 KV_BLOCK = 128
 MIN_KV_BLOCK = 16
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool = False) -> Tensor:
-    """Rotary embeddings on the first ``2 * cos.shape[-1]`` features of ``x``.
-
-    ``x``: (B, H, L, D); ``cos``, ``sin``: (S_rot, R / 2); ``positions``: (B, L) rows of
-    the tables. Half-split layout (GPT-NeoX) rotates feature i with i + R/2;
-    ``interleaved`` (GPT-J) rotates 2i with 2i + 1. Computed in float32, returned in
-    x's dtype; features past R pass through.
-    """
-    half = cos.shape[-1]
-    rot = x[..., :2 * half].float()
-    c = cos[positions].float()[:, None]  # (B, 1, L, R/2)
-    s = sin[positions].float()[:, None]
-    if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
-    else:
-        x1, x2 = rot[..., :half], rot[..., half:]
-        rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
-    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
@@ -85,6 +65,8 @@ def _check_arguments(query, k_cache, v_cache, key, value, cache_seqlens, rotary_
         if Bc != 1 or S_max != page_cache.pool_length:
             raise ValueError(f"flexattn: with page_cache, k_cache and v_cache are its pools (1, Hkv, "
                              f"{page_cache.pool_length}, D), got k_cache shape {_shape(k_cache)}")
+        page_cache._check_pool(k_cache, v_cache)
+        page_cache._as_slots(slots, True)  # range and repeats: checked eagerly only
         Bc, S_max = B, page_cache.max_length
     elif slots is not None:
         raise ValueError("flexattn: slots name the sequences of a page_cache; pass page_cache too")
@@ -189,25 +171,18 @@ def _pool_kv_block(row_length: int) -> int:
     return block
 
 
-def _length_blocks(lengths: Tensor, L: int, kv_len: int, row_blocks: int, block: int, mask_mod: Callable,
-                   offsets: Tensor | None = None) -> BlockMask:
-    """The block mask of keys before ``lengths[b]`` on (B, 1, L, kv_len): each row's full
-    blocks, then its one partial block, ids shifted by ``offsets[b]`` blocks where given;
-    index rows ``row_blocks`` wide."""
-    B = lengths.shape[0]
+def _length_blocks(lists: tuple[Tensor, Tensor, Tensor, Tensor], L: int, kv_len: int, block: int,
+                   mask_mod: Callable) -> BlockMask:
+    """The block mask of keys before each sequence's length on (B, 1, L, kv_len), from the
+    prologue's lists (each row's full blocks, then its one partial block)."""
+    kv_num, kv_idx, full_num, full_idx = lists
+    B, width = kv_idx.shape
     q_blocks = max(1, math.ceil(L / KV_BLOCK))
-    full = (lengths // block).to(torch.int32)
-    partial = (lengths % block > 0).to(torch.int32)
-    ids = torch.arange(row_blocks, device=lengths.device, dtype=torch.int32).view(1, 1, 1, row_blocks)
-    partial_ids = (ids + full.view(B, 1, 1, 1)).clamp(max=row_blocks - 1)
-    full_ids = ids
-    if offsets is not None:
-        shift = offsets.to(torch.int32).view(B, 1, 1, 1)
-        partial_ids, full_ids = partial_ids + shift, full_ids + shift
-    full_ids = full_ids.expand(B, 1, q_blocks, row_blocks)
-    partial_ids = partial_ids.expand(B, 1, q_blocks, row_blocks)
-    return BlockMask.from_kv_blocks(partial.view(B, 1, 1).expand(B, 1, q_blocks), partial_ids,
-                                    full.view(B, 1, 1).expand(B, 1, q_blocks), full_ids,
+
+    def rows(t: Tensor) -> Tensor:
+        return t.view(B, 1, 1, *t.shape[1:]).expand(B, 1, q_blocks, *t.shape[1:])
+
+    return BlockMask.from_kv_blocks(rows(kv_num), rows(kv_idx), rows(full_num), rows(full_idx),
                                     BLOCK_SIZE=(KV_BLOCK, block), mask_mod=mask_mod, seq_lengths=(L, kv_len),
                                     compute_q_blocks=False)
 
@@ -281,24 +256,25 @@ def flex_attention_with_kvcache(
     Bc, Hkv, S_max, _ = k_cache.shape
     device = query.device
     seqlens = cache_seqlens.to(torch.int64)
+    lengths = seqlens + (0 if key is None else key.shape[2])
+    rows = page_table = None
+    row_shift, page_size, page_stride = 0, 1, 1
+    if page_cache is not None:
+        block, width = page_cache.page_size, page_cache.max_pages_per_slot
+        page_table, page_size, page_stride = page_cache.page_table, page_cache.page_size, page_cache.page_stride
+    elif cache_batch_idx is None:
+        block, width = KV_BLOCK, math.ceil(S_max / KV_BLOCK)
+    else:
+        # The cache as one pool row after another: position r * Hkv * S_max + s of head h
+        # is k_cache[r, h, s] (the rows overlap other heads' entries, never listed).
+        row_length = Hkv * S_max
+        block = _pool_kv_block(row_length)
+        width, rows, row_shift = math.ceil(S_max / block), cache_batch_idx, row_length // block
+    rotated, *lists = kv_step_prologue(
+        query, key, value, k_cache, v_cache, cache_seqlens, rows, slots if page_cache is not None else None,
+        page_table, rotary_cos, rotary_sin, rotary_interleaved, block, width, row_shift, page_size, page_stride)
     if rotary_cos is not None:
-        query = apply_rotary(query, rotary_cos, rotary_sin,
-                             seqlens[:, None] + torch.arange(L, device=device), rotary_interleaved)
-    rows = torch.arange(B, device=device) if cache_batch_idx is None else cache_batch_idx.to(torch.int64)
-    lengths = seqlens
-    if key is not None:
-        L_new = key.shape[2]
-        positions = seqlens[:, None] + torch.arange(L_new, device=device)  # (B, L_new)
-        if rotary_cos is not None:
-            key = apply_rotary(key, rotary_cos, rotary_sin, positions, rotary_interleaved)
-        if page_cache is not None:
-            page_cache.append(slots, positions, key, value, k_cache, v_cache)
-        else:
-            where = (rows.view(B, 1, 1), torch.arange(Hkv, device=device).view(1, Hkv, 1),
-                     positions.view(B, 1, L_new))
-            k_cache.index_put_(where, key)
-            v_cache.index_put_(where, value)
-        lengths = seqlens + L_new
+        query = rotated
 
     def in_length(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]
@@ -317,33 +293,31 @@ def flex_attention_with_kvcache(
             return score_mod(score, b, h, seqlens[b] + q_idx, kv_idx)
 
     if page_cache is not None:
-        page, max_len = page_cache.page_size, page_cache.max_length
+        max_len = page_cache.max_length
         if mask_mod is None:
-            logical = _length_blocks(lengths, L, max_len, math.ceil(max_len / page), page, logical_mask)
+            paged = page_cache._paged_mask_mod(in_length, page_cache._as_slots(slots, True), None)
+            block_mask = _length_blocks(lists, L, page_cache.pool_length, block, paged)
         else:
-            logical = create_block_mask(logical_mask, B, Hq, L, max_len, device=device, BLOCK_SIZE=(KV_BLOCK, page))
+            logical = create_block_mask(logical_mask, B, Hq, L, max_len, device=device, BLOCK_SIZE=(KV_BLOCK, block))
+            block_mask = page_cache.block_mask_on_pages(logical, slots)
         return flex_attention(
-            query, k_cache, v_cache, block_mask=page_cache.block_mask_on_pages(logical, slots),
+            query, k_cache, v_cache, block_mask=block_mask,
             score_mod=None if score_mod is None else page_cache.score_mod_on_pages(logical_score_mod, slots),
             scale=scale, enable_gqa=enable_gqa, return_aux=return_aux, kernel_options=kernel_options)
 
     if cache_batch_idx is None:
         if mask_mod is None:
-            block_mask = _length_blocks(lengths, L, S_max, math.ceil(S_max / KV_BLOCK), KV_BLOCK, logical_mask)
+            block_mask = _length_blocks(lists, L, S_max, block, logical_mask)
         else:
             block_mask = create_block_mask(logical_mask, B, Hq, L, S_max, device=device)
         return flex_attention(query, k_cache, v_cache, score_mod=logical_score_mod, block_mask=block_mask,
                               scale=scale, enable_gqa=enable_gqa, return_aux=return_aux, kernel_options=kernel_options)
 
-    # The cache as one pool row after another: position r * Hkv * S_max + s of head h is
-    # k_cache[r, h, s] (the rows overlap other heads' entries, never listed).
-    row_length = Hkv * S_max
-    block = _pool_kv_block(row_length)
     kv_len = (Bc - 1) * row_length + S_max
     keys = k_cache.as_strided((1, Hkv, kv_len, E), (0, S_max * E, E, 1))
     Ev = v_cache.shape[-1]
     values = v_cache.as_strided((1, Hkv, kv_len, Ev), (0, S_max * Ev, Ev, 1))
-    base = rows * row_length
+    base = cache_batch_idx.to(torch.int64) * row_length
 
     # A row's last block runs into the next row: the length masks those keys, and the
     # user's mods see them clamped into the row (their own tables are S_max long).
@@ -355,7 +329,7 @@ def flex_attention_with_kvcache(
         return visible
 
     if mask_mod is None:
-        block_mask = _length_blocks(lengths, L, kv_len, math.ceil(S_max / block), block, pool_mask, base // block)
+        block_mask = _length_blocks(lists, L, kv_len, block, pool_mask)
     else:
         logical = create_block_mask(logical_mask, B, Hq, L, S_max, device=device, BLOCK_SIZE=(KV_BLOCK, block))
         offsets = (base // block).to(torch.int32).view(B, 1, 1, 1)

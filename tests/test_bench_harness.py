@@ -288,3 +288,16 @@ def test_peer_columns_are_opt_in(tmp_path):
     assert "flexattn Triton" in table and "torch FLASH" in table and "flexattn/FLASH" in table
     with pytest.raises(SystemExit, match="--peers takes"):
         bench.main(["--dry-run", "--peers", "cudnn", "--out", str(tmp_path)])
+
+
+def test_kvcache_step_dry_run_checks_the_fused_step_against_the_unfused(tmp_path):
+    """bench/bench_kvcache_step.py on the CPU: every implementation timed, the fused
+    step's output and caches equal to the unfused sequence's, files written."""
+    step = load_bench("bench_kvcache_step")
+    report = step.main(["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
+    (row,) = report["rows"]
+    assert not row["errors"], row["errors"]
+    assert set(row["median_us"]) == set(step.IMPLS)
+    assert row["max_abs_diff_out"] < 1e-5 and row["max_abs_diff_k_cache"] < 1e-5 and row["v_caches_equal"]
+    assert len(list(tmp_path.glob("kvcache-step-cpu-*.json"))) == 1
+    assert "unfused/fused" in (next(tmp_path.glob("kvcache-step-cpu-*.md")).read_text())

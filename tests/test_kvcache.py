@@ -224,6 +224,74 @@ def test_paged_step_matches_the_contiguous_reference(layout):
 
 
 # --------------------------------------------------------------------------------------
+# The prologue kernel (rotary, append, length lists) against its torch reference
+# --------------------------------------------------------------------------------------
+PROLOGUE_CASES = {
+    # name: (layout, rotary ("half", "interleaved", "partial" or None), L, L_new, dtype)
+    "plain_half_decode": ("plain", "half", 1, 1, torch.float16),
+    "plain_interleaved_chunk": ("plain", "interleaved", 3, 3, torch.float32),
+    "plain_no_rotary": ("plain", None, 2, 2, torch.float16),
+    "rows_partial_rotary": ("rows", "partial", 1, 2, torch.float32),
+    "rows_no_new_tokens": ("rows", "half", 2, 0, torch.float16),
+    "paged_heads": ("paged", "interleaved", 1, 1, torch.float16),
+    "paged_pages_layout": ("paged_pages", "half", 2, 2, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROLOGUE_CASES))
+def test_prologue_kernel_matches_its_reference(case):
+    """The Triton prologue (interpreted on the CPU) writes the caches and returns the
+    rotated queries and block lists that the torch reference gives, for every layout;
+    the odd head dim (40, Ev 24) leaves masked features in both rows."""
+    layout, rotary, L, L_new, dtype = PROLOGUE_CASES[case]
+    from flexattn.kvcache_prologue import launch, prologue_reference
+    gen = harness.generator(21)
+    B, Hq, Hkv, E, Ev, S_max = 3, 4, 2, 40, 24, 48
+    seqlens = torch.tensor([0, 17, 45 - L_new], dtype=torch.int32, device=DEVICE)
+    rows = slots = page_table = None
+    block, width, row_shift, page_size, page_stride = 16, 3, 0, 1, 1
+    if layout == "rows":
+        k_cache, v_cache = harness.randn(gen, 4, Hkv, S_max, E, dtype=dtype), harness.randn(gen, 4, Hkv, S_max, Ev, dtype=dtype)
+        rows, row_shift = torch.tensor([3, 0, 2], device=DEVICE), Hkv * S_max // block
+    elif layout.startswith("paged"):
+        pages = "pages" if layout == "paged_pages" else "heads"
+        cache = flexattn.PagedKVCache(n_pages=12, page_size=16, max_slots=4, device=DEVICE, layout=pages,
+                                      num_kv_heads=Hkv if pages == "pages" else None, max_pages_per_slot=3)
+        cache.shuffle_free_pages(torch.Generator().manual_seed(2))
+        slots = torch.tensor([1, 3, 0], device=DEVICE)
+        for b in range(B):
+            cache.reserve(int(slots[b]), int(seqlens[b]) + L_new)
+        k_cache, v_cache = cache.allocate(num_kv_heads=Hkv, head_dim=E, dtype=dtype, value_head_dim=Ev)
+        k_cache.copy_(harness.randn(gen, *k_cache.shape, dtype=dtype))
+        v_cache.copy_(harness.randn(gen, *v_cache.shape, dtype=dtype))
+        page_table, page_size, page_stride = cache.page_table, cache.page_size, cache.page_stride
+    else:
+        k_cache, v_cache = harness.randn(gen, B, Hkv, S_max, E, dtype=dtype), harness.randn(gen, B, Hkv, S_max, Ev, dtype=dtype)
+    q = harness.randn(gen, B, Hq, L, E, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)  # strided heads
+    key = harness.randn(gen, B, Hkv, L_new, E, dtype=dtype) if L_new else None
+    value = harness.randn(gen, B, Hkv, L_new, Ev, dtype=dtype) if L_new else None
+    cos = sin = None
+    if rotary:
+        cos, sin = _rotary_tables(gen, S_max + 4, 16 if rotary == "partial" else E)
+    args = (q, key, value, seqlens, rows, slots, page_table, cos, sin, rotary == "interleaved", block, width,
+            row_shift, page_size, page_stride)
+
+    def run(fn):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = fn(*args[:3], kc, vc, *args[3:])
+        return (*out, kc, vc)
+
+    got, expected = run(launch), run(prologue_reference)
+    names = ("q", "kv_num", "kv_idx", "full_num", "full_idx", "k_cache", "v_cache")
+    for name, g, e in zip(names, got, expected):
+        if e is None:
+            assert g is None, name
+            continue
+        tol = dict(atol=0, rtol=0) if not e.is_floating_point() or name == "v_cache" else {}
+        torch.testing.assert_close(g, e, msg=lambda m: f"{case} {name}: {m}", **tol)
+
+
+# --------------------------------------------------------------------------------------
 # Bad input: a clear error before anything is written
 # --------------------------------------------------------------------------------------
 def _bad_inputs():
