@@ -13,10 +13,11 @@ cache is read in place through a strided view
 with one row after another (a pool, as ``PagedKVCache``'s "pages" layout, one page per
 row), and the block mask lists each sequence's blocks in its row: no row is copied.
 
-Under ``torch.compile`` the step is one graph: the rotary and the cache write are
-pointwise and scatter ops Inductor fuses into its own kernels beside the attention
-kernel, the mutation of the cache is functionalised, and the lengths are tensors, so
-the step compiles once however long the sequences grow.
+On a GPU the rotary, the cache write and the block lists of the lengths are one prologue
+kernel (``kvcache_prologue``) launched before the attention kernel; elsewhere they are
+torch ops. Under ``torch.compile`` the step is one graph: the mutation of the cache is
+functionalised and the lengths are tensors, so the step compiles once however long the
+sequences grow.
 """
 
 from __future__ import annotations
@@ -256,7 +257,6 @@ def flex_attention_with_kvcache(
     Bc, Hkv, S_max, _ = k_cache.shape
     device = query.device
     seqlens = cache_seqlens.to(torch.int64)
-    lengths = seqlens + (0 if key is None else key.shape[2])
     rows = page_table = None
     row_shift, page_size, page_stride = 0, 1, 1
     if page_cache is not None:
@@ -270,7 +270,7 @@ def flex_attention_with_kvcache(
         row_length = Hkv * S_max
         block = _pool_kv_block(row_length)
         width, rows, row_shift = math.ceil(S_max / block), cache_batch_idx, row_length // block
-    rotated, *lists = kv_step_prologue(
+    rotated, lengths, *lists = kv_step_prologue(
         query, key, value, k_cache, v_cache, cache_seqlens, rows, slots if page_cache is not None else None,
         page_table, rotary_cos, rotary_sin, rotary_interleaved, block, width, row_shift, page_size, page_stride)
     if rotary_cos is not None:

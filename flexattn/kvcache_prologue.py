@@ -16,7 +16,8 @@ with ``n = seqlens[b]`` tokens cached before the step):
   the key rotated at position n + t when ROTARY, written into the cache at logical
   position n + t of the sequence's row (``ROWS[b]`` with HAS_ROWS, else b) or, with PAGED, at pool position
   ``PAGE_TABLE[SLOTS[b], p // PAGE_SIZE] * PAGE_STRIDE + p % PAGE_SIZE``.
-* r = Q_ROWS + K_ROWS: the block lists of keys before ``n + L_new`` (FULL_NUM full
+* r = Q_ROWS + K_ROWS: the length after the step, ``LENGTHS[b] = n + L_new``, and the
+  block lists of keys before it (FULL_NUM full
   blocks, then at most one partial block), as ``kvcache._length_blocks`` builds them with
   torch ops: full list entry j is block j, the partial list's entry j is block
   ``min(full + j, WIDTH - 1)``; block ids shifted by ``ROWS[b] * ROW_SHIFT`` (a cache read as
@@ -89,7 +90,7 @@ if triton is not None:
     @triton.jit
     def _prologue_kernel(
         Q, Q_OUT, KEY, VALUE, K_CACHE, V_CACHE, SEQLENS, ROWS, SLOTS, PAGE_TABLE, COS, SIN,
-        KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,
+        LENGTHS, KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
@@ -154,6 +155,7 @@ if triton is not None:
                      mask=offs_d < tl.where(inside, V_HEAD_DIM, 0))
         else:
             length = n + L_NEW
+            tl.store(LENGTHS + off_b, length.to(tl.int32))
             full = length // KV_BLOCK
             tl.store(FULL_NUM + off_b, full.to(tl.int32))
             tl.store(KV_NUM + off_b, (length % KV_BLOCK > 0).to(tl.int32))
@@ -186,8 +188,8 @@ def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor,
            seqlens: Tensor, rows: Tensor | None, slots: Tensor | None, page_table: Tensor | None,
            cos: Tensor | None, sin: Tensor | None, interleaved: bool, kv_block: int, width: int,
            row_shift: int, page_size: int, page_stride: int, launcher=None):
-    """Run the prologue; returns (q_out or None, kv_num, kv_idx, full_num, full_idx), the
-    counts (B,) and lists (B, width) int32. ``launcher`` wraps the kernel (``wrap_triton``
+    """Run the prologue; returns (q_out or None, lengths, kv_num, kv_idx, full_num,
+    full_idx): the lengths after the step and the counts (B,), the lists (B, width), int32. ``launcher`` wraps the kernel (``wrap_triton``
     inside the custom op)."""
     B, Hq, L, E = q.shape
     Hkv = k_cache.shape[1]
@@ -196,6 +198,7 @@ def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor,
     rotary = cos is not None
     device = q.device
     q_out = torch.empty((B, Hq, L, E), dtype=q.dtype, device=device) if rotary else q.new_empty(0)
+    lengths = torch.empty((B,), dtype=torch.int32, device=device)
     kv_num = torch.empty((B,), dtype=torch.int32, device=device)
     full_num = torch.empty((B,), dtype=torch.int32, device=device)
     kv_idx = torch.empty((B, width), dtype=torch.int32, device=device)
@@ -218,7 +221,7 @@ def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor,
     grid = ((Hq * L if rotary else 0) + Hkv * L_new + 1, B)
     kernel[grid](
         q, q_out, key, value, k_cache, v_cache, seqlens, rows, slots, page_table, cos_t, sin_t,
-        kv_num, kv_idx, full_num, full_idx,
+        lengths, kv_num, kv_idx, full_num, full_idx,
         *q.stride(), *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         *cos_t.stride(), *sin_t.stride(), page_table.stride(0),
         Hq, L, Hkv, L_new, k_cache.shape[2], E, Ev,
@@ -226,7 +229,7 @@ def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor,
         ROTARY=rotary, INTERLEAVED=interleaved, PAGED=paged, HAS_ROWS=has_rows, HALF=half,
         BLOCK_D=_next_power_of_2(max(E, Ev)), BLOCK_W=min(1024, _next_power_of_2(width)),
     )
-    return (q_out if rotary else None), kv_num, kv_idx, full_num, full_idx
+    return (q_out if rotary else None), lengths, kv_num, kv_idx, full_num, full_idx
 
 
 def prologue_reference(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor, v_cache: Tensor,
@@ -274,22 +277,23 @@ def prologue_reference(q: Tensor, key: Tensor | None, value: Tensor | None, k_ca
         shift = 0 if rows is None else rows.long()[:, None] * row_shift
         full_idx = ids[None] + shift
         kv_idx = partial + shift
-    return (q_out, (lengths % kv_block > 0).to(torch.int32), kv_idx.to(torch.int32), full.to(torch.int32),
-            full_idx.expand(B, width).to(torch.int32))
+    return (q_out, lengths.to(torch.int32), (lengths % kv_block > 0).to(torch.int32), kv_idx.to(torch.int32),
+            full.to(torch.int32), full_idx.expand(B, width).to(torch.int32))
 
 
 @torch.library.triton_op("flexattn::kv_step_prologue", mutates_args={"k_cache", "v_cache"})
 def kv_step_prologue(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor, v_cache: Tensor,
                      seqlens: Tensor, rows: Tensor | None, slots: Tensor | None, page_table: Tensor | None,
                      cos: Tensor | None, sin: Tensor | None, interleaved: bool, kv_block: int, width: int,
-                     row_shift: int, page_size: int, page_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     row_shift: int, page_size: int, page_stride: int
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Rotate, append, list the blocks: the Triton kernel on CUDA, torch ops elsewhere.
-    Returns (q rotated, or an empty tensor without rotary tables; kv_num (B,), kv_idx
-    (B, width), full_num (B,), full_idx (B, width)), int32 lists."""
+    Returns (q rotated, or an empty tensor without rotary tables; the lengths after the
+    step (B,); kv_num (B,), kv_idx (B, width), full_num (B,), full_idx (B, width)), int32."""
     args = (q, key, value, k_cache, v_cache, seqlens, rows, slots, page_table, cos, sin, interleaved, kv_block,
             width, row_shift, page_size, page_stride)
     if q.device.type == "cuda":
-        q_out, *lists = launch(*args, launcher=torch.library.wrap_triton)
+        q_out, *rest = launch(*args, launcher=torch.library.wrap_triton)
     else:
-        q_out, *lists = prologue_reference(*args)
-    return (q.new_empty(0) if q_out is None else q_out, *lists)
+        q_out, *rest = prologue_reference(*args)
+    return (q.new_empty(0) if q_out is None else q_out, *rest)
