@@ -154,9 +154,11 @@ def test_compiled_step_matches_the_reference():
 @pytest.mark.workflow
 @pytest.mark.usefixtures("flexattn_kernels")
 @pytest.mark.parametrize("cache_rows", [None, ([1, 0], 3)], ids=["contiguous", "cache_rows"])
-def test_generation_under_compile_compiles_once(cache_rows):
+@pytest.mark.parametrize("mask_mod", [mods.causal_mask, None], ids=["causal", "lengths_only"])
+def test_generation_under_compile_compiles_once(cache_rows, mask_mod):
     """32 steps of one new token, each step's output checked against the dense reference;
-    the step compiles once, however long the sequences grow."""
+    the step compiles once, however long the sequences grow (without a mask_mod the
+    block lists come from the lengths alone, the prologue's on a GPU)."""
     gen = harness.generator(7)
     B, Hq, Hkv, E, S_max, steps = 2, 4, 2, 16, 48, 32
     Bc = B if cache_rows is None else cache_rows[1]
@@ -170,13 +172,13 @@ def test_generation_under_compile_compiles_once(cache_rows):
     def step(q, k, v, seqlens):
         return flexattn.flex_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
                                                     rotary_cos=cos, rotary_sin=sin, cache_batch_idx=rows,
-                                                    mask_mod=mods.causal_mask, enable_gqa=True)
+                                                    mask_mod=mask_mod, enable_gqa=True)
 
     graphs = None
     for i in range(steps):
         q, k, v = (harness.randn(gen, B, h, 1, E) for h in (Hq, Hkv, Hkv))
         expected = reference_step(q, k_cache, v_cache, k, v, seqlens, cos, sin, False, rows, None,
-                                  mods.causal_mask, E ** -0.5)
+                                  mask_mod, E ** -0.5)
         out = step(q, k, v, seqlens)
         torch.testing.assert_close(out, expected[0], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(k_cache, expected[2], atol=1e-6, rtol=1e-6)
