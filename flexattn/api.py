@@ -446,8 +446,10 @@ def flex_attention(
         # A backward's own need for the lse is the autograd operator's to add.
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse)
     options["OUTPUT_MAX"] = bool(_options.read(options, "OUTPUT_MAX") or want_max)
-    options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION,
-                                             **({"DROPOUT_P": dropout_p} if dropout_p else {})))
+    internal = {"DROPOUT_P": dropout_p} if dropout_p else {}
+    if block_mask.partial_heavy is not None:
+        internal["MASK_PARTIAL_HEAVY"] = block_mask.partial_heavy
+    options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION, **internal))
     if return_aux is not None and return_aux.probabilities:
         _check_probabilities_size(query, key)
     # Two int64 draws, [0, 2**62): the Philox key and its stream (numerics.dropout_keep).

@@ -61,6 +61,10 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 128
 """Default tile edge, in tokens, for both the query and the KV axis."""
 
+PARTIAL_HEAVY_SHARE = 0.5
+"""A BlockMask is ``partial_heavy`` when more than this share of its listed blocks are
+partial (bench/DECISIONS.md#forward-partial-heavy-memory-mask)."""
+
 MASK_CHUNK_BYTES = 1024 * 1024 * 1024
 """Working-memory budget, in bytes, for one chunk of mask evaluation in create_block_mask.
 
@@ -228,6 +232,9 @@ class BlockMask:
       when the mask was built without them (``compute_q_blocks=False``), which only a
       call without a backward accepts.
     * ``seq_lengths`` (q_len, kv_len), ``BLOCK_SIZE`` (q_block, kv_block), ``mask_mod``.
+    * ``partial_heavy``: whether most listed blocks are partial (mask_mod evaluated), as
+      ``create_block_mask`` records it for a mask_mod that reads captured tensors (where
+      the forward kernel's choice depends on it); None when not known.
 
     Each index row starts with its valid block ids (the first ``num_blocks`` entries,
     ascending for masks built here); the entries after them are padding that nothing
@@ -253,6 +260,7 @@ class BlockMask:
         full_q_indices: Tensor | None,
         BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
         mask_mod: MaskMod | None = None,
+        partial_heavy: bool | None = None,
     ) -> None:
         check_kv_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         check_pair("full_q_num_blocks", full_q_num_blocks, "full_q_indices", full_q_indices)
@@ -267,6 +275,7 @@ class BlockMask:
         self.full_q_indices = full_q_indices
         self.BLOCK_SIZE = block_size_pair(BLOCK_SIZE)
         self.mask_mod = noop_mask if mask_mod is None else mask_mod
+        self.partial_heavy = partial_heavy
 
     @classmethod
     def from_kv_blocks(
@@ -466,7 +475,8 @@ class BlockMask:
             )
         tables = crop_tables(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
                              rows, cols, self._block_grid()[1], compute_q_blocks=self.q_indices is not None)
-        return BlockMask((new_q_len, new_kv_len), *tables, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+        return BlockMask((new_q_len, new_kv_len), *tables, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+                         partial_heavy=self.partial_heavy)
 
     def adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
         """Public name of :meth:`_adjust`: crop the mask to shorter sequence lengths."""
@@ -476,7 +486,8 @@ class BlockMask:
         """A new BlockMask whose tensors are on ``device`` (this one is unchanged)."""
         moved = {name: None if getattr(self, name) is None else getattr(self, name).to(device)
                  for name in self._TENSOR_FIELDS}
-        return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+        return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+                         partial_heavy=self.partial_heavy)
 
 
 def tile_for_call(block_mask: BlockMask, batch: int, heads: int) -> BlockMask:
@@ -489,7 +500,40 @@ def tile_for_call(block_mask: BlockMask, batch: int, heads: int) -> BlockMask:
     if all(size in (1, want) for size, want in zip(sizes, (batch, heads))):
         return block_mask
     tables = {name: tile_table(getattr(block_mask, name), batch, heads) for name in BLOCK_TABLE_FIELDS}
-    return BlockMask(block_mask.seq_lengths, **tables, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod)
+    return BlockMask(block_mask.seq_lengths, **tables, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod,
+                     partial_heavy=block_mask.partial_heavy)
+
+
+def _reads_tensors(fn: Any, depth: int = 3) -> bool:
+    """Whether a mod reads a tensor it captured (a closure cell or a global it names),
+    looking through callables it captures (combined masks) ``depth`` levels deep."""
+    if depth < 0 or not inspect.isfunction(fn):
+        return False
+    names = fn.__code__.co_names
+    values = [cell.cell_contents for cell in (fn.__closure__ or ()) if _cell_set(cell)]
+    values += [fn.__globals__[name] for name in names if name in fn.__globals__]
+    values += [v for seq in values if isinstance(seq, (tuple, list)) for v in seq]  # and_masks' mods
+    return any(isinstance(v, Tensor) or (callable(v) and _reads_tensors(v, depth - 1)) for v in values)
+
+
+def _cell_set(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _partial_heavy(tables: tuple, mask_mod: MaskMod) -> bool | None:
+    """``BlockMask.partial_heavy`` of freshly built tables: known (one device sync) only
+    for an eager build of a mask_mod that reads captured tensors, the masks whose
+    forward kernel it picks; None otherwise."""
+    kv_num_blocks, _, full_kv_num_blocks = tables[:3]
+    if (torch.compiler.is_compiling() or full_kv_num_blocks is None or not _reads_tensors(mask_mod)
+            or (kv_num_blocks.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    partial, full = torch.stack([kv_num_blocks.sum(), full_kv_num_blocks.sum()]).tolist()
+    return partial > PARTIAL_HEAVY_SHARE * (partial + full)
 
 
 def create_block_mask(
@@ -555,7 +599,8 @@ def create_block_mask(
         )
     tables = (tables_from_flags(any_blocks & ~all_blocks, all_blocks) if separate_full_blocks
               else tables_from_flags(any_blocks, None))
-    mask = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block_size, mask_mod=mask_mod)
+    mask = BlockMask((Q_LEN, KV_LEN), *tables, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                     partial_heavy=_partial_heavy(tables, mask_mod))
     if timed and time.perf_counter() - started >= LONG_BUILD_SECONDS:
         log.info("flexattn: create_block_mask(%s) for B=%s H=%s Q_LEN=%s KV_LEN=%s BLOCK_SIZE=%s on %s took %.2f s",
                  mod_name(mask_mod), B, H, Q_LEN, KV_LEN, block_size, device, time.perf_counter() - started)
@@ -622,7 +667,7 @@ class _MaskModContext:
 def _flatten_block_mask(mask: BlockMask) -> tuple[list[Tensor], tuple[Any, ...]]:
     present = tuple(name for name in BlockMask._TENSOR_FIELDS if getattr(mask, name) is not None)
     leaves = [getattr(mask, name) for name in present]
-    context = (mask.seq_lengths, mask.BLOCK_SIZE, _MaskModContext(mask.mask_mod), present)
+    context = (mask.seq_lengths, mask.BLOCK_SIZE, _MaskModContext(mask.mask_mod), present, mask.partial_heavy)
     return leaves, context
 
 
@@ -632,10 +677,11 @@ def _flatten_block_mask_with_keys(mask: BlockMask):
 
 
 def _unflatten_block_mask(leaves, context) -> BlockMask:
-    seq_lengths, block_size, mask_mod_context, present = context
+    seq_lengths, block_size, mask_mod_context, present, partial_heavy = context
     tensors = dict.fromkeys(BlockMask._TENSOR_FIELDS)
     tensors.update(zip(present, leaves))
-    return BlockMask(seq_lengths, **tensors, BLOCK_SIZE=block_size, mask_mod=mask_mod_context.fn)
+    return BlockMask(seq_lengths, **tensors, BLOCK_SIZE=block_size, mask_mod=mask_mod_context.fn,
+                     partial_heavy=partial_heavy)
 
 
 pytree.register_pytree_node(

@@ -881,3 +881,58 @@ def test_kept_query_length_of_an_index_tensor_is_whole_blocks():
     """An index tensor's values are not read (no device sync): its rows count as whole
     blocks, the last block's included."""
     assert bm._kept_query_length(torch.tensor([0, 5]), 2, 128, 700, 6) == 2 * 128
+
+
+# --------------------------------------------------------------------------------------
+# partial_heavy: what the forward kernel's choice reads off the listing
+# --------------------------------------------------------------------------------------
+def test_partial_heavy_is_known_for_masks_that_read_captured_tensors():
+    """create_block_mask records whether most listed blocks are partial for a mask_mod
+    that reads captured tensors (in its closure, in a global it names, or through a
+    combined mask); arithmetic masks leave it unknown (no device sync for them). It
+    survives the copies a call makes (to, adjust, the pytree round trip) and reaches
+    the operator's options."""
+    S, W = 256, 16
+    cells = torch.randperm(S, generator=torch.Generator().manual_seed(0)).to(CPU)
+    doc = (torch.arange(S, device=CPU) // 96)
+
+    def scattered(b, h, q_idx, kv_idx):  # every block partial
+        return (cells[q_idx] - cells[kv_idx]).abs() <= W
+
+    def documents(b, h, q_idx, kv_idx):  # mostly full blocks at BLOCK_SIZE 16
+        return doc[q_idx] == doc[kv_idx]
+
+    heavy = create_block_mask(scattered, None, None, S, S, device=CPU, BLOCK_SIZE=16)
+    light = create_block_mask(documents, None, None, S, S, device=CPU, BLOCK_SIZE=16)
+    combined = create_block_mask(bm.and_masks(causal_mask, scattered), None, None, S, S, device=CPU, BLOCK_SIZE=16)
+    assert heavy.partial_heavy is True and light.partial_heavy is False and combined.partial_heavy is True
+    assert create_block_mask(causal_mask, None, None, S, S, device=CPU).partial_heavy is None
+    assert heavy.to(CPU).partial_heavy and heavy.adjust(128, 128).partial_heavy
+    leaves, spec = pytree.tree_flatten(heavy)
+    assert pytree.tree_unflatten(leaves, spec).partial_heavy is True
+
+    seen = {}
+    real_run = flexattn.api._run_eagerly
+
+    def spy(*args):
+        seen["options"] = args[6]
+        return real_run(*args)
+
+    q = torch.randn(1, 1, S, 16, device=CPU)
+    try:
+        flexattn.api._run_eagerly = spy
+        flexattn.flex_attention(q, q, q, block_mask=heavy)
+    finally:
+        flexattn.api._run_eagerly = real_run
+    assert flexattn.options.read_internal(seen["options"], "MASK_PARTIAL_HEAVY") is True
+
+
+def test_partial_heavy_is_unknown_when_built_under_compile():
+    cells = torch.arange(64, device=CPU).flip(0)
+
+    def scattered(b, h, q_idx, kv_idx):
+        return (cells[q_idx] - cells[kv_idx]).abs() <= 4
+
+    built = torch.compile(lambda: create_block_mask(scattered, None, None, 64, 64, device=CPU, BLOCK_SIZE=16),
+                          backend="eager", fullgraph=True)()
+    assert built.partial_heavy is None

@@ -355,6 +355,13 @@ def test_one_kv_loop_choice(monkeypatch):
                                   mask_reads_memory=True)[0] == cfgs.ForwardConfig(64, 64, 4, 2)
     assert not cfgs.candidate_configs(dev, 64, torch.float32, False, {}, mask_reads_memory=True)[0].one_kv_loop
     assert not cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {"fwd_ONE_KV_LOOP": False})[0].one_kv_loop
+    # A memory-reading mask on mostly partial blocks: 128x128, eight warps, two loops (sm90
+    # D=128); elsewhere the flag changes nothing.
+    assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True,
+                                  partial_heavy=True)[0] == cfgs.ForwardConfig(128, 128, 8, 2)
+    assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, partial_heavy=True)[0].one_kv_loop
+    assert cfgs.candidate_configs(dev, 64, torch.bfloat16, False, {}, mask_reads_memory=True,
+                                  partial_heavy=True)[0] == cfgs.ForwardConfig(64, 64, 4, 2, one_kv_loop=True)
     # float64 takes the float32 tiles (no tensor cores; its probability tile is staged
     # in shared memory, which the estimate counts).
     assert cfgs.default_config(dev, 64, torch.float64) == cfgs.default_config(dev, 64, torch.float32)

@@ -392,6 +392,12 @@ def warn_inert_options(kernel_options: dict[str, Any]) -> None:
                       "option has no effect", stacklevel=2)
 
 
+def mask_reads_memory(mask_mod_buffers) -> bool:
+    """Whether a call's mask_mod reads captured tensors (buffers that are IR nodes, not
+    inlined scalars)."""
+    return any(isinstance(b, ir.IRNode) for b in mask_mod_buffers)
+
+
 def tma_obstacle(node, name: str) -> str | None:
     """Why ``node`` cannot be read through a tensor descriptor (None if it can)."""
     sizevars = V.graph.sizevars

@@ -56,7 +56,8 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
     if dropout_seed is None and wants_decode_kernel(hint(query.get_size()[2]), hint(key.get_size()[2]),
                                                     kernel_options or {}):
         return lower_decode(*args)
-    inputs, (query, key, value) = forward_inputs(query, key, value, block_mask, kernel_options or {}, dropout_seed)
+    inputs, (query, key, value) = forward_inputs(query, key, value, block_mask, kernel_options or {}, dropout_seed,
+                                                 mask_mod_buffers)
     plan = plan_forward(inputs)
     log.info("flexattn: forward kernel %s (%s)", "Gluon" if plan.kernel == "gluon" else "Triton", plan.reason)
     args = (query, key, value, *args[3:])

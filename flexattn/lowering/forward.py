@@ -14,6 +14,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate
 
+from .. import options as _options
 from ..templates import kernel_source
 from . import common
 from .configs import base as config_base
@@ -67,10 +68,10 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
     # The kernel writes lse and row_max in place: the template's extra outputs.
     lse, row_max = common.forward_outputs(query)
 
-    mask_reads_memory = any(isinstance(b, ir.IRNode) for b in call.mask_mod_buffers)
-    candidates = forward_configs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
-                                                   bool(inductor_config.max_autotune), kernel_options,
-                                                   mask_reads_memory=mask_reads_memory)
+    candidates = forward_configs.candidate_configs(
+        device, spec["QK_HEAD_DIM_PAD"], dtype, bool(inductor_config.max_autotune), kernel_options,
+        mask_reads_memory=common.mask_reads_memory(call.mask_mod_buffers),
+        partial_heavy=bool(_options.read_internal(kernel_options, "MASK_PARTIAL_HEAVY")))
     usable = forward_configs.usable_configs(
         candidates, kernel_options, sparse_q=call.sparse_q, sparse_kv=call.sparse_kv,
         qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"], elem_bytes=dtype.itemsize,

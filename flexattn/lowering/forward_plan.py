@@ -45,6 +45,10 @@ class ForwardInputs:
     #: kernel_options keys that pin a tile of the Triton template.
     pinned_tiles: tuple[str, ...]
     backend: str
+    #: The mask_mod reads captured tensors.
+    mask_reads_memory: bool = False
+    #: The BlockMask's partial_heavy (most listed blocks partial; None: not known).
+    partial_heavy: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,10 @@ def plan_forward(inputs: ForwardInputs) -> ForwardPlan:
         return ForwardPlan("triton", obstacle)
     if inputs.qk_head_dim not in gluon_configs.DEFAULT_HEAD_DIMS:
         return ForwardPlan("triton", f"head dim {inputs.qk_head_dim}: the Triton template measured faster")
+    if (inputs.mask_reads_memory and inputs.partial_heavy
+            and inputs.qk_head_dim in gluon_configs.PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS):
+        return ForwardPlan("triton", "a mask_mod reading captured tensors on mostly partial blocks: the Triton "
+                                     "template measured faster")
     return ForwardPlan("gluon", "sm90, 16-bit, TMA-ready layouts")
 
 
@@ -110,7 +118,8 @@ def gluon_available() -> bool:
         return False
 
 
-def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any], dropout_seed):
+def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any], dropout_seed,
+                   mask_mod_buffers=()):
     """A call's ``ForwardInputs`` from its IR nodes, and the nodes. Where nothing else
     rules the Gluon kernel out, q, k and v are realized (their final strides decide
     whether tensor descriptors can read them) and returned realized."""
@@ -140,6 +149,8 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         tma_obstacle=None,
         pinned_tiles=pinned,
         backend=_options.read(kernel_options, "BACKEND"),
+        mask_reads_memory=common.mask_reads_memory(mask_mod_buffers),
+        partial_heavy=_options.read_internal(kernel_options, "MASK_PARTIAL_HEAVY"),
     )
     if plan_forward(inputs).kernel != "gluon":
         # Only a call the Gluon kernel would take has its inputs realized here; the

@@ -78,6 +78,13 @@ SM90_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
     (64, "16bit"): ForwardConfig(64, 64, 4, 2, one_kv_loop=True),
 }
 MEMORY_MASK_TABLES = {"sm90": SM90_MEMORY_MASK}
+# The same for a BlockMask whose listed blocks are mostly partial (neighbourhoods in tiled
+# or Morton token orders): every tile evaluates the mask's gathers, and eight warps over
+# 128x128 tiles keep more of them in flight (bench/DECISIONS.md#forward-partial-heavy-memory-mask).
+SM90_PARTIAL_HEAVY_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
+    (128, "16bit"): ForwardConfig(128, 128, 8, 2),
+}
+PARTIAL_HEAVY_MEMORY_MASK_TABLES = {"sm90": SM90_PARTIAL_HEAVY_MEMORY_MASK}
 
 #: Extra candidates benchmarked under max_autotune (after fitting).
 AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
@@ -101,12 +108,14 @@ SMEM_STEPS = (("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n",
 
 
 def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype,
-                   mask_reads_memory: bool = False) -> ForwardConfig:
-    """The call's default tile; ``mask_reads_memory``: the mask_mod reads captured tensors."""
+                   mask_reads_memory: bool = False, partial_heavy: bool = False) -> ForwardConfig:
+    """The call's default tile; ``mask_reads_memory``: the mask_mod reads captured tensors;
+    ``partial_heavy``: the BlockMask lists mostly partial blocks."""
     config = generation_table(TABLES, device, padded_head_dim, dtype)
     if not mask_reads_memory:
         return config
-    return (table_entry(MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
+    heavy = partial_heavy and table_entry(PARTIAL_HEAVY_MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
+    return (heavy or table_entry(MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
             or dataclasses.replace(config, one_kv_loop=False))
 
 
@@ -126,16 +135,18 @@ def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, 
 
 
 def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.dtype, max_autotune: bool,
-                      kernel_options: dict[str, Any], mask_reads_memory: bool = False) -> list[ForwardConfig]:
+                      kernel_options: dict[str, Any], mask_reads_memory: bool = False,
+                      partial_heavy: bool = False) -> list[ForwardConfig]:
     """Default (+ autotune candidates), with pinned fields applied, deduplicated.
 
-    A mask_mod that reads captured tensors takes ``MEMORY_MASK_TABLES``' tile where it has
+    A mask_mod that reads captured tensors takes ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``' tile
+    when the BlockMask lists mostly partial blocks, else ``MEMORY_MASK_TABLES``' where it has
     one; otherwise it keeps one loop per block group unless ONE_KV_LOOP is pinned: behind
     the one loop's branch its loads are not software-pipelined
     (bench/DECISIONS.md#forward-mask-reads-memory). The autotune candidates are all
     two-loop tiles.
     """
-    configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory)]
+    configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory, partial_heavy)]
     if max_autotune:
         configs += list(AUTOTUNE_CANDIDATES)
     return with_pinned(configs, ForwardConfig.pinned_fields(kernel_options))

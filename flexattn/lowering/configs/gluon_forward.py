@@ -49,6 +49,11 @@ SM90: dict[int, GluonForwardConfig] = {
 #: Triton template measured faster (bench/DECISIONS.md#gluon-forward-head-dims).
 DEFAULT_HEAD_DIMS = (128, 256)
 
+#: Head dims where a mask_mod that reads captured tensors on a BlockMask of mostly partial
+#: blocks takes the Triton template: the consumers' softmax waits on the mask's gathers,
+#: which the template's eight warps overlap (bench/DECISIONS.md#forward-partial-heavy-memory-mask).
+PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS = (128,)
+
 #: Shared memory one program may use on sm90 (227 KiB).
 SMEM_LIMIT = 232448
 
