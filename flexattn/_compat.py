@@ -161,6 +161,12 @@ def _after_import(module_name: str, callback) -> None:
     sys.meta_path.insert(0, Finder())
 
 
+def when_dynamo_imported(callback: Callable[[], Any]) -> None:
+    """Run ``callback()`` once Dynamo is imported (at once if it is): for definitions a
+    compiled call needs before tracing that ``import flexattn`` should not pay for."""
+    _after_import("torch._dynamo", lambda module: callback())
+
+
 #: The Dynamo module whose table maps a HOP's name to the variable class that traces it.
 _DYNAMO_HOP_MODULE = "torch._dynamo.variables.higher_order_ops"
 
@@ -342,6 +348,7 @@ __all__ = [
     "disable_proxy_modes_tracing",
     "dynamo_hop_support",
     "register_dynamo_hop",
+    "when_dynamo_imported",
     "enable_triton_interpreter",
     "exclude_dispatch_key",
     "float32_matmul_allows_tf32",

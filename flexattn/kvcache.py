@@ -257,6 +257,7 @@ def flex_attention_with_kvcache(
     Bc, Hkv, S_max, _ = k_cache.shape
     device = query.device
     seqlens = cache_seqlens.to(torch.int64)
+    lengths = seqlens + (0 if key is None else key.shape[2])
     rows = page_table = None
     row_shift, page_size, page_stride = 0, 1, 1
     if page_cache is not None:
@@ -270,7 +271,7 @@ def flex_attention_with_kvcache(
         row_length = Hkv * S_max
         block = _pool_kv_block(row_length)
         width, rows, row_shift = math.ceil(S_max / block), cache_batch_idx, row_length // block
-    rotated, lengths, *lists = kv_step_prologue(
+    rotated, *lists = kv_step_prologue(
         query, key, value, k_cache, v_cache, cache_seqlens, rows, slots if page_cache is not None else None,
         page_table, rotary_cos, rotary_sin, rotary_interleaved, block, width, row_shift, page_size, page_stride)
     if rotary_cos is not None:

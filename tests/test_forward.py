@@ -380,3 +380,26 @@ def test_64bit_offsets():
     expect = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k[:, :, -tail:].float(), v[:, :, -tail:].float())
     assert torch.allclose(out[0].float(), expect, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_table_driven_neighbourhood_with_alibi_on_the_partial_heavy_tile(dtype):
+    """A 2-D neighbourhood whose token positions come from a table (every listed block
+    partial, four gathers a score) with ALiBi on top, as create_block_mask marks it
+    (partial_heavy): on sm90 at D=128 the call takes the Triton template's 128x128
+    eight-warp tile (bench/DECISIONS.md#forward-partial-heavy-memory-mask), elsewhere the
+    default tile; the three-way bound either way."""
+    side = 32 if DEVICE == "cuda" else 16
+    n = side * side
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(5))
+    rows, cols = (order // side).to(DEVICE), (order % side).to(DEVICE)
+
+    def neighbours(b, h, q_idx, kv_idx):
+        return ((rows[q_idx] - rows[kv_idx]).abs() <= 2) & ((cols[q_idx] - cols[kv_idx]).abs() <= 2)
+
+    bm = create_block_mask(neighbours, None, None, n, n, device=DEVICE)
+    assert bm.partial_heavy is True
+    options = flexattn.options.internal_options(MASK_PARTIAL_HEAVY=True)
+    run_case(dtype=dtype, B=2 if DEVICE == "cuda" else 1, Hq=4 if DEVICE == "cuda" else 2, L=n, S=n, E=128,
+             score_mod=mods.alibi(4 if DEVICE == "cuda" else 2, device=DEVICE), block_mask_tuple=bm.as_tuple(),
+             options=options)
