@@ -270,7 +270,8 @@ def test_prologue_kernel_matches_its_reference(case):
     else:
         k_cache, v_cache = harness.randn(gen, B, Hkv, S_max, E, dtype=dtype), harness.randn(gen, B, Hkv, S_max, Ev, dtype=dtype)
     q = harness.randn(gen, B, Hq, L, E, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)  # strided heads
-    key = harness.randn(gen, B, Hkv, L_new, E, dtype=dtype) if L_new else None
+    # New keys with features L_new apart (rotary partners read at the feature stride).
+    key = harness.randn(gen, B, Hkv, E, L_new, dtype=dtype).transpose(2, 3) if L_new else None
     value = harness.randn(gen, B, Hkv, L_new, Ev, dtype=dtype) if L_new else None
     cos = sin = None
     if rotary:
