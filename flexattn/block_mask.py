@@ -567,7 +567,10 @@ def create_block_mask(
             orders its dQ writes itself: kernel_options DETERMINISTIC).
 
     The mask is evaluated a chunk at a time (``MASK_CHUNK_BYTES`` of bools per chunk)
-    and reduced to block flags at once, so memory stays bounded at any length.
+    and reduced to block flags at once, so memory stays bounded at any length. For a
+    mask_mod that reads captured tensors, an eager build (not under torch.compile, not
+    while a CUDA graph is captured) also counts the partial and full blocks (one device
+    sync) to record ``partial_heavy``, which picks the forward kernel.
     """
     if mod_arity(mask_mod, "mask_mod") != MASK_MOD_ARITY:
         raise TypeError(
