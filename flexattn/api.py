@@ -35,6 +35,7 @@ from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, call_dropout, flex_attention_hop, identity_score_mod
 from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, noop_mask, sliced_mask_mod, tile_for_call
 from .cpu import uses_engine
+from .lowering.configs.gluon_forward import PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS
 from .mod_signature import required_positional_count
 from .reference import attention_probabilities, dense_math
 
@@ -447,7 +448,10 @@ def flex_attention(
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse)
     options["OUTPUT_MAX"] = bool(_options.read(options, "OUTPUT_MAX") or want_max)
     internal = {"DROPOUT_P": dropout_p} if dropout_p else {}
-    if block_mask.partial_heavy is not None:
+    if (block_mask.partial_heavy is not None and query.is_cuda
+            and query.size(-1) in PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS):
+        # Only where it picks the kernel: elsewhere a listing that changes between masks
+        # would recompile for nothing.
         internal["MASK_PARTIAL_HEAVY"] = block_mask.partial_heavy
     options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION, **internal))
     if return_aux is not None and return_aux.probabilities:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._compat import BLOCK_MASK_INDEXING_PACKS_QUERIES, pytree
+from ._compat import BLOCK_MASK_INDEXING_PACKS_QUERIES, is_fake, pytree
 from ._mask_tuple import BLOCK_TABLE_FIELDS
 from .block_tables import (BlockMaskArgumentError, block_grid, block_kinds, block_size_pair, cdiv,
                            check_kv_lists, check_listed_kv_ids, check_pair, crop_tables, flags_from_lists,
@@ -529,7 +529,8 @@ def _partial_heavy(tables: tuple, mask_mod: MaskMod) -> bool | None:
     for an eager build of a mask_mod that reads captured tensors, the masks whose
     forward kernel it picks; None otherwise."""
     kv_num_blocks, _, full_kv_num_blocks = tables[:3]
-    if (torch.compiler.is_compiling() or full_kv_num_blocks is None or not _reads_tensors(mask_mod)
+    if (torch.compiler.is_compiling() or full_kv_num_blocks is None or kv_num_blocks.device.type == "meta"
+            or is_fake(kv_num_blocks) or not _reads_tensors(mask_mod)
             or (kv_num_blocks.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     partial, full = torch.stack([kv_num_blocks.sum(), full_kv_num_blocks.sum()]).tolist()

@@ -296,7 +296,7 @@ def flex_attention_with_kvcache(
     if page_cache is not None:
         max_len = page_cache.max_length
         if mask_mod is None:
-            paged = page_cache._paged_mask_mod(in_length, page_cache._as_slots(slots, True), None)
+            paged = page_cache._paged_mask_mod(in_length, page_cache._as_slots(slots, False), None)
             block_mask = _length_blocks(lists, L, page_cache.pool_length, block, paged)
         else:
             logical = create_block_mask(logical_mask, B, Hq, L, max_len, device=device, BLOCK_SIZE=(KV_BLOCK, block))

@@ -19,7 +19,7 @@ with ``n = seqlens[b]`` tokens cached before the step):
 
 Rotary (``kvcache_prologue.apply_rotary``): features below ROTARY_DIM = 2 * HALF turn in pairs,
 (i, i + HALF) half-split or (2i, 2i + 1) with INTERLEAVED, in float32; the rest pass.
-A position past the cache (values unchecked under torch.compile) is not written.
+A position outside the cache (values unchecked under torch.compile) is not written.
 
 Constexprs: ROTARY, INTERLEAVED, PAGED, HAS_ROWS (layout choices); HALF; BLOCK_D (a power
 of two at least both head dims; one row per program, so decoding's few rows fill the grid
@@ -66,13 +66,14 @@ def prologue_kernel(
 ):
     tl.static_assert(BLOCK_D >= 2 * HALF)
     r = tl.program_id(0)
-    off_b = tl.program_id(1)
+    # int64 offsets: a head's or a batch row's stride times its index can pass 2**31
+    off_b = tl.program_id(1).to(tl.int64)
     n = tl.load(SEQLENS + off_b).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     q_rows = HQ * L if ROTARY else 0
     k_rows = HKV * L_NEW
     if r < q_rows:
-        off_h = r // L
+        off_h = (r // L).to(tl.int64)
         t = r % L
         q_ptr = Q + off_b * stride_qb + off_h * stride_qh + t * stride_ql
         in_d = offs_d < QK_HEAD_DIM
@@ -83,7 +84,7 @@ def prologue_kernel(
         out_ptr = Q_OUT + ((off_b * HQ + off_h) * L + t) * QK_HEAD_DIM
         tl.store(out_ptr + offs_d, x.to(Q_OUT.dtype.element_ty), mask=in_d)
     elif r < q_rows + k_rows:
-        off_h = (r - q_rows) // L_NEW
+        off_h = ((r - q_rows) // L_NEW).to(tl.int64)
         t = (r - q_rows) % L_NEW
         pos = n + t
         if PAGED:
@@ -92,14 +93,14 @@ def prologue_kernel(
             page = tl.maximum(tl.load(PAGE_TABLE + slot * stride_pt0 + logical_page), 0).to(tl.int64)
             k_dst = K_CACHE + off_h * stride_kch + (page * PAGE_STRIDE + pos % PAGE_SIZE) * stride_kcl
             v_dst = V_CACHE + off_h * stride_vch + (page * PAGE_STRIDE + pos % PAGE_SIZE) * stride_vcl
-            inside = pos < TABLE_WIDTH * PAGE_SIZE
+            inside = (pos >= 0) & (pos < TABLE_WIDTH * PAGE_SIZE)
         else:
             row = off_b.to(tl.int64)
             if HAS_ROWS:
                 row = tl.load(ROWS + off_b).to(tl.int64)
             k_dst = K_CACHE + row * stride_kcb + off_h * stride_kch + pos * stride_kcl
             v_dst = V_CACHE + row * stride_vcb + off_h * stride_vch + pos * stride_vcl
-            inside = pos < S_MAX
+            inside = (pos >= 0) & (pos < S_MAX)
         k_ptr = KEY + off_b * stride_kb + off_h * stride_kh + t * stride_kl
         in_k = offs_d < QK_HEAD_DIM
         k = tl.load(k_ptr + offs_d * stride_kd, mask=in_k, other=0.0)

@@ -69,6 +69,10 @@ def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor,
     # compiler must not see a written argument twice).
     key = seqlens.view(1, 1, 1, -1) if key is None else key
     value = seqlens.view(1, 1, 1, -1) if value is None else value
+    # The kernel reads these (B,) vectors at unit stride.
+    seqlens = seqlens.contiguous()
+    rows = None if rows is None else rows.contiguous()
+    slots = None if slots is None else slots.contiguous()
     paged, has_rows = page_table is not None, rows is not None
     rows = seqlens if rows is None else rows
     slots = seqlens if slots is None else slots
@@ -100,7 +104,10 @@ def prologue_reference(q: Tensor, key: Tensor | None, value: Tensor | None, k_ca
                        cos: Tensor | None, sin: Tensor | None, interleaved: bool, kv_block: int, width: int,
                        row_shift: int, page_size: int, page_stride: int):
     """The prologue in torch ops (the CPU path, and the kernel's reference): the same
-    writes and the same returns as ``launch``."""
+    writes and returns as ``launch`` for positions inside the cache. A position past it
+    (possible only where values go unchecked, under torch.compile) is dropped by the
+    kernel; here a contiguous cache raises IndexError and a paged one writes where
+    ``PagedKVCache.append`` would (the last table entry, or pool page 0)."""
     B, _, L, _ = q.shape
     device = q.device
     n = seqlens.long()

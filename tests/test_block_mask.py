@@ -890,8 +890,9 @@ def test_partial_heavy_is_known_for_masks_that_read_captured_tensors():
     """create_block_mask records whether most listed blocks are partial for a mask_mod
     that reads captured tensors (in its closure, in a global it names, or through a
     combined mask); arithmetic masks leave it unknown (no device sync for them). It
-    survives the copies a call makes (to, adjust, the pytree round trip) and reaches
-    the operator's options."""
+    survives the copies a call makes (to, adjust, the per-call tiling, the pytree round
+    trip); a CPU call does not hand it to the operator (it picks no kernel there, and a
+    listing that changes between masks would recompile for nothing)."""
     S, W = 256, 16
     cells = torch.randperm(S, generator=torch.Generator().manual_seed(0)).to(CPU)
     doc = (torch.arange(S, device=CPU) // 96)
@@ -910,6 +911,8 @@ def test_partial_heavy_is_known_for_masks_that_read_captured_tensors():
     assert heavy.to(CPU).partial_heavy and heavy.adjust(128, 128).partial_heavy
     leaves, spec = pytree.tree_flatten(heavy)
     assert pytree.tree_unflatten(leaves, spec).partial_heavy is True
+    per_batch = create_block_mask(scattered, 2, None, S, S, device=CPU, BLOCK_SIZE=16)
+    assert bm.tile_for_call(per_batch, 4, 3).partial_heavy is True
 
     seen = {}
     real_run = flexattn.api._run_eagerly
@@ -924,7 +927,7 @@ def test_partial_heavy_is_known_for_masks_that_read_captured_tensors():
         flexattn.flex_attention(q, q, q, block_mask=heavy)
     finally:
         flexattn.api._run_eagerly = real_run
-    assert flexattn.options.read_internal(seen["options"], "MASK_PARTIAL_HEAVY") is True
+    assert flexattn.options.read_internal(seen["options"], "MASK_PARTIAL_HEAVY") is None
 
 
 def test_partial_heavy_is_unknown_when_built_under_compile():
@@ -936,3 +939,23 @@ def test_partial_heavy_is_unknown_when_built_under_compile():
     built = torch.compile(lambda: create_block_mask(scattered, None, None, 64, 64, device=CPU, BLOCK_SIZE=16),
                           backend="eager", fullgraph=True)()
     assert built.partial_heavy is None
+
+
+def test_partial_heavy_is_unknown_for_fake_and_meta_masks():
+    """Building under FakeTensorMode or on the meta device (shape tracing, export) never
+    reads the block counts: partial_heavy stays unknown and nothing raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lengths = torch.tensor([40, 64])
+
+    def within(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    on_meta = lengths.to("meta")
+
+    def within_on_meta(b, h, q_idx, kv_idx):
+        return kv_idx < on_meta[b]
+
+    assert create_block_mask(within_on_meta, 2, None, 64, 64, device="meta", BLOCK_SIZE=16).partial_heavy is None
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert create_block_mask(within, 2, None, 64, 64, device=CPU, BLOCK_SIZE=16).partial_heavy is None

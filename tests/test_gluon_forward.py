@@ -97,6 +97,28 @@ def test_partial_heavy_memory_masks_take_the_triton_template_at_d128():
         assert plan_forward(dataclasses.replace(heavy, **change)).kernel == "gluon", change
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the listing reaches the operator only for CUDA calls")
+def test_a_cuda_call_at_d128_hands_the_listing_to_the_operator(monkeypatch):
+    """flex_attention passes BlockMask.partial_heavy to the operator where it can pick the
+    kernel (a CUDA call at a head dim of the rule), not at other head dims."""
+    import flexattn.api
+
+    rows = torch.randperm(256, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+
+    def scattered(b, h, q_idx, kv_idx):
+        return (rows[q_idx] - rows[kv_idx]).abs() <= 8
+
+    mask = flexattn.create_block_mask(scattered, None, None, 256, 256, device=DEVICE)
+    assert mask.partial_heavy is True
+    seen = []
+    real = flexattn.api._run_eagerly
+    monkeypatch.setattr(flexattn.api, "_run_eagerly", lambda *args: seen.append(args[6]) or real(*args))
+    for dim in (128, 64):
+        q = torch.randn(1, 2, 256, dim, device=DEVICE, dtype=torch.bfloat16)
+        flexattn.flex_attention(q, q, q, block_mask=mask)
+    assert [flexattn.options.read_internal(o, "MASK_PARTIAL_HEAVY") for o in seen] == [True, None]
+
+
 def test_backend_triton_forces_the_template():
     assert plan_forward(dataclasses.replace(HOPPER_CALL, backend="TRITON")) == ForwardPlan(
         "triton", "kernel_options BACKEND='TRITON'")

@@ -240,27 +240,34 @@ PROLOGUE_CASES = {
 }
 
 
+def _strided(vector: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with stride 2."""
+    return torch.stack([vector, torch.zeros_like(vector)], dim=1)[:, 0]
+
+
 @pytest.mark.parametrize("case", sorted(PROLOGUE_CASES))
 def test_prologue_kernel_matches_its_reference(case):
     """The Triton prologue (interpreted on the CPU) writes the caches and returns the
-    rotated queries and block lists that the torch reference gives, for every layout;
-    the odd head dim (40, Ev 24) leaves masked features in both rows."""
+    rotated queries and block lists that the torch reference gives, for every layout (the
+    pools as PagedKVCache lays them out, overlapping views for "pages"); head dims that
+    are not powers of two (40, Ev 24) leave masked features in both rows; lengths,
+    cache rows and slots come as strided views; one sequence ends on a block boundary."""
     layout, rotary, L, L_new, dtype = PROLOGUE_CASES[case]
     from flexattn.kvcache_prologue import launch, prologue_reference
     gen = harness.generator(21)
     B, Hq, Hkv, E, Ev, S_max = 3, 4, 2, 40, 24, 48
-    seqlens = torch.tensor([0, 17, 45 - L_new], dtype=torch.int32, device=DEVICE)
+    seqlens = _strided(torch.tensor([0, 32 - L_new, 45 - L_new], dtype=torch.int32, device=DEVICE))
     rows = slots = page_table = None
     block, width, row_shift, page_size, page_stride = 16, 3, 0, 1, 1
     if layout == "rows":
         k_cache, v_cache = harness.randn(gen, 4, Hkv, S_max, E, dtype=dtype), harness.randn(gen, 4, Hkv, S_max, Ev, dtype=dtype)
-        rows, row_shift = torch.tensor([3, 0, 2], device=DEVICE), Hkv * S_max // block
+        rows, row_shift = _strided(torch.tensor([3, 0, 2], device=DEVICE)), Hkv * S_max // block
     elif layout.startswith("paged"):
         pages = "pages" if layout == "paged_pages" else "heads"
         cache = flexattn.PagedKVCache(n_pages=12, page_size=16, max_slots=4, device=DEVICE, layout=pages,
                                       num_kv_heads=Hkv if pages == "pages" else None, max_pages_per_slot=3)
         cache.shuffle_free_pages(torch.Generator().manual_seed(2))
-        slots = torch.tensor([1, 3, 0], device=DEVICE)
+        slots = _strided(torch.tensor([1, 3, 0], device=DEVICE))
         for b in range(B):
             cache.reserve(int(slots[b]), int(seqlens[b]) + L_new)
         k_cache, v_cache = cache.allocate(num_kv_heads=Hkv, head_dim=E, dtype=dtype, value_head_dim=Ev)
@@ -280,7 +287,12 @@ def test_prologue_kernel_matches_its_reference(case):
             row_shift, page_size, page_stride)
 
     def run(fn):
-        kc, vc = k_cache.clone(), v_cache.clone()
+        if layout.startswith("paged"):  # fresh pools in the cache's own layout
+            kc, vc = cache.allocate(num_kv_heads=Hkv, head_dim=E, dtype=dtype, value_head_dim=Ev)
+            kc.copy_(k_cache)
+            vc.copy_(v_cache)
+        else:
+            kc, vc = k_cache.clone(), v_cache.clone()
         out = fn(*args[:3], kc, vc, *args[3:])
         return (*out, kc, vc)
 
