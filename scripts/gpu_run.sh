@@ -13,6 +13,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flexattn-out}
 mkdir -p "$OUT"
 GPUS=${GPUS:-1}
+# pytest-xdist workers per shard: the suite is bound by compiling (one compile thread per
+# worker), so each shard takes its GPU's share of the cores but two (8 on a 16-core host
+# left half of them idle). WORKERS=n overrides it.
+export WORKERS=${WORKERS:-$(( $(nproc) / GPUS > 6 ? $(nproc) / GPUS - 2 : 4 ))}
 if [ "$GPUS" -gt 1 ]; then
   # One import first, so the shards' workers do not all read torch from a cold disk at once.
   python3 -c "import torch, triton, flexattn" >/dev/null 2>&1
@@ -31,7 +35,6 @@ TESTS=${1:-tests}
 BENCH=${2:---quick}
 TEST_BUDGET=${3:-360}
 BENCH_BUDGET=${4:-200}
-WORKERS=${WORKERS:-8}
 export FLEXATTN_FAIL_LOG="$OUT/failures.log"
 PARALLEL=""
 # Carried wheels, if any (the GPU image lacks a package the tests need).
