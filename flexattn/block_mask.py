@@ -38,7 +38,7 @@ from .block_tables import (BlockMaskArgumentError, block_grid, block_kinds, bloc
                            kv_columns, row_selection, tables_from_flags, tile_table, transposed_tables)
 from .mask_evaluation import chunked_block_flags, evaluate_mod, index_vectors, traced_block_flags
 from .mask_pictures import computed_picture, kinds_picture
-from .mod_signature import MASK_MOD_ARITY, MaskMod, check_mask_mods, mod_arity, mod_name
+from .mod_signature import MASK_MOD_ARITY, MaskMod, captured_tensors, check_mask_mods, mod_arity, mod_name
 
 log = logging.getLogger("flexattn.block_mask")
 #: create_block_mask builds at least this long are logged (at INFO, see flexattn/_logging.py).
@@ -504,33 +504,13 @@ def tile_for_call(block_mask: BlockMask, batch: int, heads: int) -> BlockMask:
                      partial_heavy=block_mask.partial_heavy)
 
 
-def _reads_tensors(fn: Any, depth: int = 3) -> bool:
-    """Whether a mod reads a tensor it captured (a closure cell or a global it names),
-    looking through callables it captures (combined masks) ``depth`` levels deep."""
-    if depth < 0 or not inspect.isfunction(fn):
-        return False
-    names = fn.__code__.co_names
-    values = [cell.cell_contents for cell in (fn.__closure__ or ()) if _cell_set(cell)]
-    values += [fn.__globals__[name] for name in names if name in fn.__globals__]
-    values += [v for seq in values if isinstance(seq, (tuple, list)) for v in seq]  # and_masks' mods
-    return any(isinstance(v, Tensor) or (callable(v) and _reads_tensors(v, depth - 1)) for v in values)
-
-
-def _cell_set(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # an empty cell
-        return False
-    return True
-
-
 def _partial_heavy(tables: tuple, mask_mod: MaskMod) -> bool | None:
     """``BlockMask.partial_heavy`` of freshly built tables: known (one device sync) only
     for an eager build of a mask_mod that reads captured tensors, the masks whose
     forward kernel it picks; None otherwise."""
     kv_num_blocks, _, full_kv_num_blocks = tables[:3]
     if (torch.compiler.is_compiling() or full_kv_num_blocks is None or kv_num_blocks.device.type == "meta"
-            or is_fake(kv_num_blocks) or not _reads_tensors(mask_mod)
+            or is_fake(kv_num_blocks) or not captured_tensors(mask_mod)
             or (kv_num_blocks.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     partial, full = torch.stack([kv_num_blocks.sum(), full_kv_num_blocks.sum()]).tolist()

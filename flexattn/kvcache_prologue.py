@@ -43,10 +43,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interle
     return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
-def _next_power_of_2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor, v_cache: Tensor,
            seqlens: Tensor, rows: Tensor | None, slots: Tensor | None, page_table: Tensor | None,
            cos: Tensor | None, sin: Tensor | None, interleaved: bool, kv_block: int, width: int,
@@ -65,14 +61,14 @@ def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor,
     full_num = torch.empty((B,), dtype=torch.int32, device=device)
     kv_idx = torch.empty((B, width), dtype=torch.int32, device=device)
     full_idx = torch.empty((B, width), dtype=torch.int32, device=device)
-    # Absent tensors are never read; seqlens stands in (not a mutated tensor: the
-    # compiler must not see a written argument twice).
-    key = seqlens.view(1, 1, 1, -1) if key is None else key
-    value = seqlens.view(1, 1, 1, -1) if value is None else value
     # The kernel reads these (B,) vectors at unit stride.
     seqlens = seqlens.contiguous()
     rows = None if rows is None else rows.contiguous()
     slots = None if slots is None else slots.contiguous()
+    # Absent tensors are never read; seqlens stands in (not a mutated tensor: the
+    # compiler must not see a written argument twice).
+    key = seqlens.view(1, 1, 1, -1) if key is None else key
+    value = seqlens.view(1, 1, 1, -1) if value is None else value
     paged, has_rows = page_table is not None, rows is not None
     rows = seqlens if rows is None else rows
     slots = seqlens if slots is None else slots
@@ -81,6 +77,8 @@ def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor,
     cos_t = cos if rotary else seqlens.view(1, -1)
     sin_t = sin if rotary else seqlens.view(1, -1)
     half = cos.shape[-1] if rotary else 0
+    import triton
+
     from .kvcache_kernel import prologue_kernel as kernel
 
     if launcher is not None:
@@ -94,7 +92,7 @@ def launch(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor,
         Hq, L, Hkv, L_new, k_cache.shape[2], E, Ev,
         kv_block, width, row_shift, page_size, page_stride, page_stride // page_size if paged else 1, table_width,
         ROTARY=rotary, INTERLEAVED=interleaved, PAGED=paged, HAS_ROWS=has_rows, HALF=half,
-        BLOCK_D=_next_power_of_2(max(E, Ev)), BLOCK_W=min(1024, _next_power_of_2(width)),
+        BLOCK_D=triton.next_power_of_2(max(E, Ev)), BLOCK_W=min(1024, triton.next_power_of_2(width)),
     )
     return (q_out if rotary else None), kv_num, kv_idx, full_num, full_idx
 
@@ -152,9 +150,9 @@ def prologue_reference(q: Tensor, key: Tensor | None, value: Tensor | None, k_ca
 
 
 def _step_prologue(q: Tensor, key: Tensor | None, value: Tensor | None, k_cache: Tensor, v_cache: Tensor,
-                     seqlens: Tensor, rows: Tensor | None, slots: Tensor | None, page_table: Tensor | None,
-                     cos: Tensor | None, sin: Tensor | None, interleaved: bool, kv_block: int, width: int,
-                     row_shift: int, page_size: int, page_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   seqlens: Tensor, rows: Tensor | None, slots: Tensor | None, page_table: Tensor | None,
+                   cos: Tensor | None, sin: Tensor | None, interleaved: bool, kv_block: int, width: int,
+                   row_shift: int, page_size: int, page_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """flexattn::kv_step_prologue: rotate, append, list the blocks; the Triton kernel on
     CUDA, torch ops elsewhere.
     Returns (q rotated, or an empty tensor without rotary tables; kv_num (B,), kv_idx

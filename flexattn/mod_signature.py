@@ -1,5 +1,6 @@
 """What kind of mod a callable is, read off its signature: a mask_mod takes
-``(b, h, q_idx, kv_idx)``, a score_mod ``(score, b, h, q_idx, kv_idx)``."""
+``(b, h, q_idx, kv_idx)``, a score_mod ``(score, b, h, q_idx, kv_idx)``; and the tensors
+it captures."""
 
 from __future__ import annotations
 
@@ -84,3 +85,40 @@ def mod_arity(fn: Any, argument: str) -> int:
             f"{mod_name(fn)} takes {received}"
         )
     return arity
+
+
+def captured_tensors(fn: Any) -> list[Tensor]:
+    """The tensors a mod reads without taking them as arguments: in its closure cells, in
+    the globals its code names, in modules' parameters and buffers and bound methods'
+    objects it holds, through the callables, lists and tuples it holds (combined masks),
+    each once."""
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for tensor in (*obj.parameters(), *obj.buffers()):
+                visit(tensor)
+        elif callable(obj):
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    visit(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+            code, module_globals = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
+            if code is not None and module_globals is not None:
+                for name in code.co_names:
+                    if name in module_globals:
+                        visit(module_globals[name])
+            visit(getattr(obj, "__self__", None))
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item)
+
+    visit(fn)
+    return list(found.values())

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ..api import AuxRequest, flex_attention
 from ..block_mask import BlockMask
+from ..mod_signature import captured_tensors as mod_captured_tensors
 from . import merge
 from .exchange import AllGather, BlockGather, RingExchange
 from .local import LocalMasks
@@ -33,37 +34,7 @@ STRATEGIES = ("auto", "ring", "allgather")
 def captured_tensors(fn: Callable | None) -> list[Tensor]:
     """Tensors ``fn`` closes over (through nested closures too) that require grad: the
     inputs of the call whose gradients it returns."""
-    found: dict[int, Tensor] = {}
-    seen: set[int] = set()
-
-    def visit(obj: Any) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, Tensor):
-            if obj.requires_grad:
-                found.setdefault(id(obj), obj)
-        elif isinstance(obj, nn.Module):
-            for tensor in (*obj.parameters(), *obj.buffers()):
-                visit(tensor)
-        elif callable(obj):
-            for cell in getattr(obj, "__closure__", None) or ():
-                try:
-                    visit(cell.cell_contents)
-                except ValueError:  # an empty cell
-                    pass
-            code, module_globals = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
-            if code is not None and module_globals is not None:
-                for name in code.co_names:
-                    if name in module_globals:
-                        visit(module_globals[name])
-            visit(getattr(obj, "__self__", None))
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                visit(item)
-
-    visit(fn)
-    return list(found.values())
+    return [t for t in mod_captured_tensors(fn) if t.requires_grad]
 
 
 def choose_strategy(strategy: str) -> str:
