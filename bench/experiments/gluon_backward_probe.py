@@ -26,6 +26,7 @@ the mods inlined.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import re
 import subprocess
@@ -35,6 +36,7 @@ import tempfile
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
@@ -43,6 +45,17 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 LOG2_E = 1.4426950408889634
 #: Keys per consumer warpgroup; a program's BLOCK_N is twice this.
 KEYS_PER_WG = 64
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Bulk-add a shared-memory tile into global memory through TMA (cp.reduce.async.bulk
+    .tensor ... add); Triton 3.6's Gluon has the op but no public wrapper. Completes like a
+    TMA store: ``tma.store_wait`` before ``src`` is written again."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -70,10 +83,13 @@ def _load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_r
 
 
 @gluon.jit
-def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA, DQ_ACC,
-             DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL: gl.constexpr,
+def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
+             DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL,
              WG: gl.constexpr):
     """One consumer warpgroup: dK and dV of its 64 keys, its share of dQ."""
+    # Arguments reach a partition as run-time values, constexpr or not; a flag read from a
+    # shared buffer's shape stays one (dQ staged for bulk adds has four buffers).
+    DQ_TMA: gl.constexpr = dq_smem.type.shape[0] == 4
     NUM_STAGES: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     HEAD_D: gl.constexpr = q_bufs.type.shape[2]
@@ -135,37 +151,48 @@ def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, q_ready, do_rea
             dq = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(h * HALF_D, HALF_D, dim=1), no_dq, use_acc=False,
                                is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            # Relaxed: the adds need no ordering (dQ is read after the kernel); the default
-            # acq_rel put a GPU-wide fence and an L1 invalidate around every element's add.
-            gl.atomic_add(DQ_ACC + (bh * seq_len + off_m + rows_dq) * HEAD_D + h * HALF_D + cols_dq, dq,
-                          sem="relaxed")
+            if DQ_TMA:
+                # One bulk add per half tile from shared memory; the buffer's previous add
+                # (a tile ago) must have read it first, the other half's may still run.
+                buf = dq_smem.index(WG * 2 + h)
+                tma.store_wait(1)
+                buf.store(dq)
+                fence_async_shared()
+                tma_reduce_add(dq_desc, [bh * seq_len + off_m, h * HALF_D], buf)
+            else:
+                # Relaxed: the adds need no ordering (dQ is read after the kernel); the default
+                # acq_rel put a GPU-wide fence and an L1 invalidate around every element's add.
+                gl.atomic_add(DQ_ACC + (bh * seq_len + off_m + rows_dq) * HEAD_D + h * HALF_D + cols_dq, dq,
+                              sem="relaxed")
 
     rows_kv = gl.expand_dims(off_n + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout)), 1)
     out = (bh * seq_len + rows_kv) * HEAD_D + cols_d
     gl.store(DK + out, (dk * sm_scale).to(dtype))
     gl.store(DV + out, dv.to(dtype))
+    if DQ_TMA:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _consume_wg0(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
-                 DQ_ACC, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
-                 CAUSAL: gl.constexpr):
-    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA, DQ_ACC,
-             DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL, 0)
+def _consume_wg0(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2,
+                 DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
+                 CAUSAL):
+    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
+             DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL, 0)
 
 
 @gluon.jit
-def _consume_wg1(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
-                 DQ_ACC, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
-                 CAUSAL: gl.constexpr):
-    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA, DQ_ACC,
-             DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL, 1)
+def _consume_wg1(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2,
+                 DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
+                 CAUSAL):
+    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
+             DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL, 1)
 
 
 @gluon.jit
-def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, LSE2, DELTA, DQ_ACC, DK, DV, seq_len, qk_scale_log2, sm_scale,
-                    CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr,
-                    LOAD_REGS: gl.constexpr):
+def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE2, DELTA, DQ_ACC, DK, DV, seq_len, qk_scale_log2,
+                    sm_scale, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr,
+                    LOAD_REGS: gl.constexpr, DQ_TMA: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     HALF: gl.constexpr = k_desc.block_type.shape[0]
@@ -184,6 +211,9 @@ def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, LSE2, DELTA, DQ_ACC, DK, DV
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], ds_layout)
+    # dQ staging for the bulk adds: a buffer per (warpgroup, column half); one slot when unused.
+    DQ_BUFS: gl.constexpr = 4 if DQ_TMA else 1
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -196,8 +226,9 @@ def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, LSE2, DELTA, DQ_ACC, DK, DV
         mbarrier.init(tile_free.index(stage), count=2)
     fence_async_shared()
 
-    consumer_args = (q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
-                     DQ_ACC, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL)
+    consumer_args = (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2,
+                     DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
+                     CAUSAL)
     gl.warp_specialize([
         (_consume_wg0, consumer_args),
         (_consume_wg1, consumer_args),
@@ -216,6 +247,15 @@ def _smem_layout(shape):
     return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
 
 
+def _dq_layout(block_m, head_d):
+    return gl.NVMMASharedLayout.get_default_for([block_m, head_d // 2], gl.float32)
+
+
+#: How dQ reaches global memory: relaxed float32 atomics per element, or bulk TMA adds of
+#: shared-memory tiles.
+DQ_MODES = {"atomic": False, "tma": True}
+
+
 def compile_offline(head_dims=(64, 128)) -> int:
     """Compile for sm90 without a GPU; print warps, shared memory, registers and spills."""
     from triton.backends.compiler import GPUTarget
@@ -224,41 +264,41 @@ def compile_offline(head_dims=(64, 128)) -> int:
 
     rc = 0
     c = CONFIG
-    for D in head_dims:
-        for causal in (False, True):
-            tile = _smem_layout([c["BLOCK_M"], D])
-            half = _smem_layout([KEYS_PER_WG, D])
-            sig = {"q_desc": f"tensordesc<bf16[{c['BLOCK_M']}, {D}],{tile!r}>",
-                   "do_desc": f"tensordesc<bf16[{c['BLOCK_M']}, {D}],{tile!r}>",
-                   "k_desc": f"tensordesc<bf16[{KEYS_PER_WG}, {D}],{half!r}>",
-                   "v_desc": f"tensordesc<bf16[{KEYS_PER_WG}, {D}],{half!r}>",
-                   "LSE2": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "DK": "*bf16", "DV": "*bf16",
-                   "seq_len": "i32", "qk_scale_log2": "fp32", "sm_scale": "fp32",
-                   "CAUSAL": "constexpr", "NUM_STAGES": "constexpr", "MMA_REGS": "constexpr",
-                   "LOAD_REGS": "constexpr"}
-            consts = {"CAUSAL": causal, "NUM_STAGES": c["NUM_STAGES"], "MMA_REGS": c["MMA_REGS"],
-                      "LOAD_REGS": c["LOAD_REGS"]}
-            name = f"bwd D={D} {'causal' if causal else 'no mask'}"
-            try:
-                k = triton.compile(GluonASTSource(attn_bwd_kernel, sig, constexprs=consts),
-                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"]})
-                with tempfile.TemporaryDirectory() as tmp:
-                    with open(tmp + "/k.ptx", "w") as f:
-                        f.write(k.asm["ptx"])
-                    report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
-                                             tmp + "/k.o"], capture_output=True, text=True)
-                log = report.stdout + report.stderr
-                regs = re.findall(r"Used (\d+) registers", log)
-                spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-                print(f"[{name}] compiled for sm90: warps={k.metadata.num_warps} shared={k.metadata.shared} "
-                      f"registers={regs} spill_bytes={spills} setmaxnreg={'setmaxnreg' in k.asm['ptx']}")
-            except Exception as error:  # noqa: BLE001 - a probe reports every failure
-                rc = 1
-                print(f"[{name}] COMPILE FAILED: {type(error).__name__}: {str(error)[:2000]}")
+    for D, causal, dq_mode in itertools.product(head_dims, (False, True), DQ_MODES):
+        tile = _smem_layout([c["BLOCK_M"], D])
+        half = _smem_layout([KEYS_PER_WG, D])
+        sig = {"q_desc": f"tensordesc<bf16[{c['BLOCK_M']}, {D}],{tile!r}>",
+               "do_desc": f"tensordesc<bf16[{c['BLOCK_M']}, {D}],{tile!r}>",
+               "k_desc": f"tensordesc<bf16[{KEYS_PER_WG}, {D}],{half!r}>",
+               "v_desc": f"tensordesc<bf16[{KEYS_PER_WG}, {D}],{half!r}>",
+               "dq_desc": f"tensordesc<fp32[{c['BLOCK_M']}, {D // 2}],{_dq_layout(c['BLOCK_M'], D)!r}>",
+               "LSE2": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "DK": "*bf16", "DV": "*bf16",
+               "seq_len": "i32", "qk_scale_log2": "fp32", "sm_scale": "fp32",
+               "CAUSAL": "constexpr", "NUM_STAGES": "constexpr", "MMA_REGS": "constexpr",
+               "LOAD_REGS": "constexpr", "DQ_TMA": "constexpr"}
+        consts = {"CAUSAL": causal, "NUM_STAGES": c["NUM_STAGES"], "MMA_REGS": c["MMA_REGS"],
+                  "LOAD_REGS": c["LOAD_REGS"], "DQ_TMA": DQ_MODES[dq_mode]}
+        name = f"bwd D={D} {'causal' if causal else 'no mask'} dQ {dq_mode}"
+        try:
+            k = triton.compile(GluonASTSource(attn_bwd_kernel, sig, constexprs=consts),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"]})
+            with tempfile.TemporaryDirectory() as tmp:
+                with open(tmp + "/k.ptx", "w") as f:
+                    f.write(k.asm["ptx"])
+                report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/k.ptx", "-o",
+                                         tmp + "/k.o"], capture_output=True, text=True)
+            log = report.stdout + report.stderr
+            regs = re.findall(r"Used (\d+) registers", log)
+            spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+            print(f"[{name}] compiled for sm90: warps={k.metadata.num_warps} shared={k.metadata.shared} "
+                  f"registers={regs} spill_bytes={spills} setmaxnreg={'setmaxnreg' in k.asm['ptx']}")
+        except Exception as error:  # noqa: BLE001 - a probe reports every failure
+            rc = 1
+            print(f"[{name}] COMPILE FAILED: {type(error).__name__}: {str(error)[:2000]}")
     return rc
 
 
-def prepare(q, k, v, o, do, lse, causal, scale):
+def prepare(q, k, v, o, do, lse, causal, scale, dq_mode="tma"):
     """(launch, finish) for the Gluon kernel on (B, H, S, D) bf16 q, k, v, o, do and the
     forward's natural-log lse (B, H, S) float32: ``launch()`` runs the kernel alone (delta
     and the base-2 lse computed here, once), ``finish()`` returns (dq, dk, dv)."""
@@ -277,13 +317,16 @@ def prepare(q, k, v, o, do, lse, causal, scale):
     descs = [TensorDescriptor.from_tensor(flat[0], [c["BLOCK_M"], D], tile),
              TensorDescriptor.from_tensor(flat[1], [c["BLOCK_M"], D], tile),
              TensorDescriptor.from_tensor(flat[2], [KEYS_PER_WG, D], half),
-             TensorDescriptor.from_tensor(flat[3], [KEYS_PER_WG, D], half)]
+             TensorDescriptor.from_tensor(flat[3], [KEYS_PER_WG, D], half),
+             TensorDescriptor.from_tensor(dq_acc.view(B * H * S, D), [c["BLOCK_M"], D // 2],
+                                          _dq_layout(c["BLOCK_M"], D))]
     grid = (S // (2 * KEYS_PER_WG), B * H)
 
     def launch():
         dq_acc.zero_()
         attn_bwd_kernel[grid](*descs, lse2, delta, dq_acc, dk, dv, S, scale * LOG2_E, scale, causal,
-                              c["NUM_STAGES"], c["MMA_REGS"], c["LOAD_REGS"], num_warps=c["num_warps"])
+                              c["NUM_STAGES"], c["MMA_REGS"], c["LOAD_REGS"], DQ_MODES[dq_mode],
+                              num_warps=c["num_warps"])
 
     def finish():
         return (dq_acc * scale).to(q.dtype), dk, dv
@@ -298,6 +341,7 @@ def run_gpu(args) -> int:
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     flash = torch.ops.aten._scaled_dot_product_flash_attention
     ok_all = True
+    modes = args.dq_modes.split(",")
     for D in (64, 128):
         for causal in (False, True):
             name = f"D={D} {'causal' if causal else 'no mask'}"
@@ -321,29 +365,32 @@ def run_gpu(args) -> int:
 
             golden_out, lse, golden = reference(torch.float64)
             _, _, same_dtype = reference(torch.float32)
-            launch, finish = prepare(q, k, v, golden_out.to(q.dtype), do, lse, causal, scale)
-            launch()
-            errors = []
-            for grad_name, got, g64, g32 in zip(("dq", "dk", "dv"), finish(), golden, same_dtype):
-                err = (got.double() - g64).abs().max().item()
-                ref_err = (g32.to(q.dtype).double() - g64).abs().max().item()
-                errors.append(f"{grad_name} {err:.2e} (bf16 rounding {ref_err:.2e})")
-                ok_all &= bool(err <= 3 * ref_err + 1e-3) and bool(torch.isfinite(got).all())
-            print(f"[{name}] S={S} errors vs float64: " + ", ".join(errors), flush=True)
+            for mode in modes:
+                launch, finish = prepare(q, k, v, golden_out.to(q.dtype), do, lse, causal, scale, mode)
+                launch()
+                errors = []
+                for grad_name, got, g64, g32 in zip(("dq", "dk", "dv"), finish(), golden, same_dtype):
+                    err = (got.double() - g64).abs().max().item()
+                    ref_err = (g32.to(q.dtype).double() - g64).abs().max().item()
+                    errors.append(f"{grad_name} {err:.2e} (bf16 rounding {ref_err:.2e})")
+                    ok_all &= bool(err <= 3 * ref_err + 1e-3) and bool(torch.isfinite(got).all())
+                print(f"[{name} dQ {mode}] S={S} errors vs float64: " + ", ".join(errors), flush=True)
 
             # Speed at the benchmark shape, the kernel alone, beside SDPA's flash backward.
             B, H, S = args.batch, args.heads, args.seq
             q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
                            for _ in range(4))
             out, lse = flash(q, k, v, 0.0, causal, False, scale=scale)[:2]
-            launch, _ = prepare(q, k, v, out, do, lse, causal, scale)
-            ms = triton.testing.do_bench(launch)
+            flops = 2.5 * 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
+            readings = []
+            for mode in modes:
+                launch, _ = prepare(q, k, v, out, do, lse, causal, scale, mode)
+                readings.append(f"dQ {mode} {flops / triton.testing.do_bench(launch) / 1e9:.0f}")
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             sdpa_out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
             ms_sdpa = triton.testing.do_bench(lambda: sdpa_out.backward(do, retain_graph=True),
                                               grad_to_none=[qg, kg, vg])
-            flops = 2.5 * 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
-            print(f"[{name}] B={B} H={H} S={S}: Gluon backward kernel {flops / ms / 1e9:.0f} TFLOP/s "
+            print(f"[{name}] B={B} H={H} S={S}: Gluon backward kernel TFLOP/s {', '.join(readings)} "
                   f"(+ host delta and dQ cast not counted), SDPA backward {flops / ms_sdpa / 1e9:.0f}", flush=True)
     print("ALL OK" if ok_all else "SOME FAILED")
     return 0 if ok_all else 1
@@ -355,6 +402,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--dq-modes", default=",".join(DQ_MODES), help="comma-separated: " + ", ".join(DQ_MODES))
     parser.add_argument("--check-seq", type=int, default=1024, help="length of the float64 check")
     args = parser.parse_args()
     sys.exit(compile_offline() if args.offline else run_gpu(args))
