@@ -52,6 +52,12 @@ CASES = {
     # Issue #49's host-time cases.
     "doc_causal_b2h8s4096_d64": (2, 8, 4096, 64, None, document_causal),
     "window_b2h8s4096_d128": (2, 8, 4096, 128, None, window),
+    # Short and long KV walks at large shapes: where descriptor loads pay for their launcher.
+    "causal_s4096_d128": (4, 16, 4096, 128, None, mods.causal_mask),
+    "causal_s8192_d128": (4, 16, 8192, 128, None, mods.causal_mask),
+    "window_s8192_d128": (4, 16, 8192, 128, None, window),
+    "doc_causal_s8192_d128": (4, 16, 8192, 128, None, document_causal),
+    "doc_causal_s8192_d64": (4, 16, 8192, 64, None, document_causal),
 }
 
 
