@@ -68,6 +68,7 @@ def test_hopper_calls_take_the_gluon_kernel():
     (dict(prescale_qk=True), "PRESCALE_QK"),
     (dict(tma_obstacle="the key's strides [3, 1] are not multiples of 16 bytes"), "not multiples of 16 bytes"),
     (dict(pinned_tiles=("BLOCK_M",)), "BLOCK_M"),
+    (dict(tma_forbidden=True), "USE_TMA=False"),
 ])
 def test_calls_the_gluon_kernel_does_not_cover_take_the_triton_template(change, reason):
     inputs = dataclasses.replace(HOPPER_CALL, **change)

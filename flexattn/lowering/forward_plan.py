@@ -49,6 +49,8 @@ class ForwardInputs:
     mask_reads_memory: bool = False
     #: The BlockMask's partial_heavy (most listed blocks partial; None: not known).
     partial_heavy: bool | None = None
+    #: kernel_options USE_TMA=False: the call forbids tensor-descriptor loads.
+    tma_forbidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ def _gluon_obstacle(inputs: ForwardInputs) -> str | None:
         return inputs.tma_obstacle
     if inputs.pinned_tiles:
         return f"kernel_options pin Triton tiles ({', '.join(inputs.pinned_tiles)})"
+    if inputs.tma_forbidden:
+        return "kernel_options USE_TMA=False (the Gluon kernel loads its tiles through tensor descriptors)"
     return None
 
 
@@ -151,6 +155,7 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         backend=_options.read(kernel_options, "BACKEND"),
         mask_reads_memory=common.mask_reads_memory(mask_mod_buffers),
         partial_heavy=_options.read_internal(kernel_options, "MASK_PARTIAL_HEAVY"),
+        tma_forbidden=_options.read(kernel_options, "USE_TMA") is False,
     )
     if plan_forward(inputs).kernel != "gluon":
         # Only a call the Gluon kernel would take has its inputs realized here; the
