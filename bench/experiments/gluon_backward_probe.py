@@ -83,13 +83,16 @@ def _load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_r
 
 
 @gluon.jit
-def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
-             DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL,
-             WG: gl.constexpr):
+def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, LSE2,
+             DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
+             CAUSAL, WG: gl.constexpr):
     """One consumer warpgroup: dK and dV of its 64 keys, its share of dQ."""
-    # Arguments reach a partition as run-time values, constexpr or not; a flag read from a
-    # shared buffer's shape stays one (dQ staged for bulk adds has four buffers).
-    DQ_TMA: gl.constexpr = dq_smem.type.shape[0] == 4
+    # Arguments reach a partition as run-time values, constexpr or not; the dQ mode is
+    # read off the staging buffers' count, which stays one (DQ_MODES: 1 atomic, 4 tma,
+    # 2 split).
+    DQ_BUFS: gl.constexpr = dq_smem.type.shape[0]
+    DQ_TMA: gl.constexpr = DQ_BUFS == 4
+    DQ_SPLIT: gl.constexpr = DQ_BUFS == 2
     NUM_STAGES: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     HEAD_D: gl.constexpr = q_bufs.type.shape[2]
@@ -102,7 +105,6 @@ def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_read
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
-    ds_w = ds_smem.index(WG)
 
     offs_n = off_n + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
     cols_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
@@ -142,12 +144,38 @@ def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_read
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
         ds_low = dst.to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_low, op_layout), q_tile, dk, is_async=True)
+        if DQ_SPLIT:
+            # dS^T of both warpgroups in shared memory, two tiles' worth (by parity): a
+            # buffer is rewritten once both warpgroups' dQ products of two tiles ago read it.
+            par = j % 2
+            lap = (j // 2) & 1
+            mbarrier.wait(ds_bars.index(2 + par), lap ^ 1)
+            ds_w = ds_smem.index(par * 2 + WG)
+        else:
+            ds_w = ds_smem.index(WG)
         ds_w.store(ds_low)
         fence_async_shared()
+        if DQ_SPLIT:
+            mbarrier.arrive(ds_bars.index(par))
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         mbarrier.arrive(tile_free.index(stage))
+        if DQ_SPLIT:
+            # dQ of the tile over all 128 keys once, this warpgroup's half of its columns:
+            # dS_0 K_0[:, cols] + dS_1 K_1[:, cols], one bulk add.
+            mbarrier.wait(ds_bars.index(par), lap)
+            dq = warpgroup_mma(ds_smem.index(par * 2).permute((1, 0)), k_smem.index(0).slice(WG * HALF_D, HALF_D, dim=1),
+                               no_dq, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(par * 2 + 1).permute((1, 0)),
+                               k_smem.index(1).slice(WG * HALF_D, HALF_D, dim=1), dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            mbarrier.arrive(ds_bars.index(2 + par))
+            buf = dq_smem.index(WG)
+            tma.store_wait(0)
+            buf.store(dq)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [bh * seq_len + off_m, WG * HALF_D], buf)
         # dQ in column halves: a [BLOCK_M, HEAD_D] float32 tile beside dK and dV spills.
-        for h in gl.static_range(2):
+        for h in gl.static_range(0 if DQ_SPLIT else 2):
             dq = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(h * HALF_D, HALF_D, dim=1), no_dq, use_acc=False,
                                is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
@@ -169,30 +197,30 @@ def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_read
     out = (bh * seq_len + rows_kv) * HEAD_D + cols_d
     gl.store(DK + out, (dk * sm_scale).to(dtype))
     gl.store(DV + out, dv.to(dtype))
-    if DQ_TMA:
+    if DQ_BUFS > 1:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _consume_wg0(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2,
-                 DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
-                 CAUSAL):
-    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
+def _consume_wg0(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars,
+                 LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2,
+                 sm_scale, CAUSAL):
+    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, LSE2, DELTA,
              DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL, 0)
 
 
 @gluon.jit
-def _consume_wg1(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2,
-                 DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
-                 CAUSAL):
-    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2, DELTA,
+def _consume_wg1(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars,
+                 LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2,
+                 sm_scale, CAUSAL):
+    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, LSE2, DELTA,
              DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL, 1)
 
 
 @gluon.jit
 def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE2, DELTA, DQ_ACC, DK, DV, seq_len, qk_scale_log2,
                     sm_scale, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr,
-                    LOAD_REGS: gl.constexpr, DQ_TMA: gl.constexpr):
+                    LOAD_REGS: gl.constexpr, DQ_BUFS: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     HALF: gl.constexpr = k_desc.block_type.shape[0]
@@ -210,14 +238,18 @@ def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE2, DELTA, DQ_AC
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], ds_layout)
-    # dQ staging for the bulk adds: a buffer per (warpgroup, column half); one slot when unused.
-    DQ_BUFS: gl.constexpr = 4 if DQ_TMA else 1
+    # dS^T per warpgroup; with the split dQ per (tile parity, warpgroup).
+    ds_smem = gl.allocate_shared_memory(dtype, [4 if DQ_BUFS == 2 else 2, HALF, BLOCK_M], ds_layout)
+    # dQ staging for the bulk adds (DQ_MODES); one unused slot with atomics.
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     tile_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # Split dQ: dS^T ready (by tile parity), then read (by tile parity), by both warpgroups.
+    ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(ds_bars.index(i), count=2)
     mbarrier.init(kv_ready, count=1)
     for stage in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(stage), count=1)
@@ -226,7 +258,8 @@ def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE2, DELTA, DQ_AC
         mbarrier.init(tile_free.index(stage), count=2)
     fence_async_shared()
 
-    consumer_args = (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, LSE2,
+    consumer_args = (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars,
+                     LSE2,
                      DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
                      CAUSAL)
     gl.warp_specialize([
@@ -251,9 +284,11 @@ def _dq_layout(block_m, head_d):
     return gl.NVMMASharedLayout.get_default_for([block_m, head_d // 2], gl.float32)
 
 
-#: How dQ reaches global memory: relaxed float32 atomics per element, or bulk TMA adds of
-#: shared-memory tiles.
-DQ_MODES = {"atomic": False, "tma": True}
+#: How dQ reaches global memory, as the count of float32 staging buffers: relaxed atomics
+#: of each warpgroup's 64-key partial (1, unused); bulk TMA adds of those partials by column
+#: half (4: warpgroup x half); "split": the tile's dQ over all 128 keys once, each
+#: warpgroup its half of the columns, one bulk add each (2).
+DQ_MODES = {"atomic": 1, "tma": 4, "split": 2}
 
 
 def compile_offline(head_dims=(64, 128)) -> int:
@@ -275,9 +310,9 @@ def compile_offline(head_dims=(64, 128)) -> int:
                "LSE2": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "DK": "*bf16", "DV": "*bf16",
                "seq_len": "i32", "qk_scale_log2": "fp32", "sm_scale": "fp32",
                "CAUSAL": "constexpr", "NUM_STAGES": "constexpr", "MMA_REGS": "constexpr",
-               "LOAD_REGS": "constexpr", "DQ_TMA": "constexpr"}
+               "LOAD_REGS": "constexpr", "DQ_BUFS": "constexpr"}
         consts = {"CAUSAL": causal, "NUM_STAGES": c["NUM_STAGES"], "MMA_REGS": c["MMA_REGS"],
-                  "LOAD_REGS": c["LOAD_REGS"], "DQ_TMA": DQ_MODES[dq_mode]}
+                  "LOAD_REGS": c["LOAD_REGS"], "DQ_BUFS": DQ_MODES[dq_mode]}
         name = f"bwd D={D} {'causal' if causal else 'no mask'} dQ {dq_mode}"
         try:
             k = triton.compile(GluonASTSource(attn_bwd_kernel, sig, constexprs=consts),
