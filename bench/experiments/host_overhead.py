@@ -40,6 +40,11 @@ def window(S):
     return mods.sliding_window(S // 8)
 
 
+def long_document_causal(S):
+    """Four documents: rows walk twice as far as document_causal's."""
+    return flexattn.and_masks(mods.document_mask(torch.arange(S, device="cuda") * 4 // S), mods.causal_mask)
+
+
 # name: (B, H, S, D, score_mod, mask_mod or a function of S building one)
 CASES = {
     "causal_s1024_d64": (4, 16, 1024, 64, None, mods.causal_mask),
@@ -58,12 +63,13 @@ CASES = {
     "window_s8192_d128": (4, 16, 8192, 128, None, window),
     "doc_causal_s8192_d128": (4, 16, 8192, 128, None, document_causal),
     "doc_causal_s8192_d64": (4, 16, 8192, 64, None, document_causal),
+    "long_doc_causal_s8192_d128": (4, 16, 8192, 128, None, long_document_causal),
 }
 
 
 def build(name, library, mode, kernel_options=None):
     B, H, S, D, score, mask = CASES[name]
-    mask = mask(S) if mask in (document, document_causal, window) else mask
+    mask = mask(S) if mask in (document, document_causal, window, long_document_causal) else mask
     score_mod = mods.alibi(H, device="cuda") if score == "alibi" else None
     lib = tflex if library == "torch" else flexattn
     block_mask = lib.create_block_mask(mask, None, None, S, S, device="cuda")
