@@ -45,6 +45,17 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Keys and values may be float8 under a 16- or 32-bit query (quantized KV caches; the
 #: kernels widen each tile to the query's dtype, forward and decode only).
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# The two tests below say what the tuples above hold through the dtype's own attributes
+# and torch's names: a compiled call then guards on no module tuple (about 1 us a call;
+# tests/test_validation.py holds them equal to the tuples).
+def _is_supported_dtype(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize >= 2
+
+
+def _is_fp8_kv_dtype(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn or dtype == torch.float8_e5m2
 #: Head dims the Triton kernels take (their tiles and shared memory), and the C++ CPU
 #: engine's (its scratch grows with the head dim; tested up to here).
 MAX_HEAD_DIM = 256
@@ -147,12 +158,12 @@ def _check_qkv(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
         if t.dim() != 4:
             layout = "(B, H, L, E)" if name == "query" else "(B, Hkv, S, E)" if name == "key" else "(B, Hkv, S, Ev)"
             raise ValueError(f"flexattn: {name} must be 4-D {layout}, got shape {_shape(t)}")
-        allowed = SUPPORTED_DTYPES if name == "query" else SUPPORTED_DTYPES + FP8_KV_DTYPES
-        if t.dtype not in allowed:
+        if not (_is_supported_dtype(t.dtype) or (name != "query" and _is_fp8_kv_dtype(t.dtype))):
+            allowed = SUPPORTED_DTYPES if name == "query" else SUPPORTED_DTYPES + FP8_KV_DTYPES
             raise TypeError(
                 f"flexattn: {name} must have a floating dtype in {[str(d) for d in allowed]}, got {t.dtype}"
             )
-    low_precision_kv = key.dtype == value.dtype and key.dtype in FP8_KV_DTYPES and query.dtype != torch.float64
+    low_precision_kv = key.dtype == value.dtype and _is_fp8_kv_dtype(key.dtype) and query.dtype != torch.float64
     if not (query.dtype == key.dtype == value.dtype or low_precision_kv):
         # torch's phrase (its tests match it), then what is allowed.
         raise ValueError(
@@ -333,6 +344,8 @@ def _from_torch_object(obj: Any) -> Any:
     """torch's AuxRequest or BlockMask as flexattn's (a BlockMask shares its tensors, no
     copy), so code written for torch's FlexAttention passes its objects unchanged;
     anything else as it came."""
+    if obj is None or isinstance(obj, (AuxRequest, BlockMask)):
+        return obj  # flexattn's own: a compiled call guards on no class name
     if _is_torch_flex(obj, "AuxRequest"):
         return AuxRequest(lse=bool(obj.lse), max_scores=bool(obj.max_scores),
                           probabilities=bool(getattr(obj, "probabilities", False)))
@@ -446,14 +459,21 @@ def flex_attention(
     if "OUTPUT_LOGSUMEXP" not in (kernel_options or {}):
         # A backward's own need for the lse is the autograd operator's to add.
         options["OUTPUT_LOGSUMEXP"] = bool(want_lse)
-    options["OUTPUT_MAX"] = bool(_options.read(options, "OUTPUT_MAX") or want_max)
-    internal = {"DROPOUT_P": dropout_p} if dropout_p else {}
+    # Read directly (its registry default is False): _options.read would have a compiled
+    # call guard on the registry entry.
+    options["OUTPUT_MAX"] = bool(options.get("OUTPUT_MAX") or want_max)
+    internal = {"DEFAULT_MASK": default_mask, "CODE_VERSION": CODE_VERSION}
+    if dropout_p:
+        internal["DROPOUT_P"] = dropout_p
     if (block_mask.partial_heavy is not None and query.is_cuda
             and query.size(-1) in PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS):
         # Only where it picks the kernel: elsewhere a listing that changes between masks
         # would recompile for nothing.
         internal["MASK_PARTIAL_HEAVY"] = block_mask.partial_heavy
-    options.update(_options.internal_options(DEFAULT_MASK=default_mask, CODE_VERSION=CODE_VERSION, **internal))
+    if not torch.compiler.is_compiling():
+        # (Traced, the check would guard on each registry entry it reads.)
+        _options.check_internal(internal)
+    options[_options.INTERNAL_KEY] = internal
     if return_aux is not None and return_aux.probabilities:
         _check_probabilities_size(query, key)
     # Two int64 draws, [0, 2**62): the Philox key and its stream (numerics.dropout_keep).

@@ -228,12 +228,15 @@ def _check_backend(kernel_options: dict[str, Any]) -> None:
                          "each other; pass one of them")
 
 
+def check_internal(values: dict[str, Any]) -> None:
+    """Every internal entry registered and of its kind (KeyError, TypeError)."""
+    for name, value in values.items():
+        _entry(name, public=False).check(value)
+
+
 def internal_options(**values: Any) -> dict[str, Any]:
-    """The internal entries as the operator carries them: ``{INTERNAL_KEY: {...}}``
-    (checked in eager calls; a compiled call would guard on each registry entry read)."""
-    if not torch.compiler.is_compiling():
-        for name, value in values.items():
-            _entry(name, public=False).check(value)
+    """The internal entries, checked, as the operator carries them: ``{INTERNAL_KEY: {...}}``."""
+    check_internal(values)
     return {INTERNAL_KEY: dict(values)}
 
 

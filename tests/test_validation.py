@@ -180,3 +180,15 @@ def test_zero_length_under_compile_raises_torchs_error():
     with pytest.raises(torch._inductor.exc.InductorError, match="Query length must be greater than 0"):
         torch.compile(_call, fullgraph=True)(q, k, v)
 
+
+
+def test_dtype_tests_agree_with_the_dtype_tuples():
+    """The API tests dtypes by their attributes (a compiled call then guards on no module
+    tuple); over every torch dtype they say what SUPPORTED_DTYPES and FP8_KV_DTYPES say."""
+    from flexattn import api
+
+    dtypes = [d for d in vars(torch).values() if isinstance(d, torch.dtype)]
+    assert len(dtypes) > 20
+    for dtype in dtypes:
+        assert api._is_supported_dtype(dtype) == (dtype in api.SUPPORTED_DTYPES), dtype
+        assert api._is_fp8_kv_dtype(dtype) == (dtype in api.FP8_KV_DTYPES), dtype
