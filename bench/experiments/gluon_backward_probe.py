@@ -82,17 +82,34 @@ def _load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_r
         tma_load(do_desc, [row, 0], do_ready.index(stage), do_bufs.index(stage))
 
 
+@gluon.constexpr_function
+def flags_length(dq_mode, causal):
+    return 1 + int(dq_mode) + 4 * int(bool(causal))
+
+
+@gluon.constexpr_function
+def mode_of(flags):
+    return (flags.type.shape[0] - 1) % 4
+
+
+@gluon.constexpr_function
+def causal_of(flags):
+    return (flags.type.shape[0] - 1) // 4 == 1
+
+
 @gluon.jit
-def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, LSE2,
-             DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
-             CAUSAL, WG: gl.constexpr):
+def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, flags,
+             LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
+             WG: gl.constexpr):
     """One consumer warpgroup: dK and dV of its 64 keys, its share of dQ."""
-    # Arguments reach a partition as run-time values, constexpr or not; the dQ mode is
-    # read off the staging buffers' count, which stays one (DQ_MODES: 1 atomic, 4 tma,
-    # 2 split).
-    DQ_BUFS: gl.constexpr = dq_smem.type.shape[0]
-    DQ_TMA: gl.constexpr = DQ_BUFS == 4
-    DQ_SPLIT: gl.constexpr = DQ_BUFS == 2
+    # Arguments reach a partition as run-time values, constexpr or not; the kernel's
+    # flags come as the length of a small shared buffer, which stays a constant.
+    DQ_MODE: gl.constexpr = mode_of(flags)
+    CAUSAL: gl.constexpr = causal_of(flags)
+    DQ_TMA: gl.constexpr = DQ_MODE == 1
+    DQ_SPLIT: gl.constexpr = DQ_MODE >= 2
+    # Overlapped split: dV and dK stay in flight through the dS exchange and the dQ products.
+    OVERLAP: gl.constexpr = DQ_MODE == 3
     NUM_STAGES: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     HEAD_D: gl.constexpr = q_bufs.type.shape[2]
@@ -157,8 +174,9 @@ def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_read
         fence_async_shared()
         if DQ_SPLIT:
             mbarrier.arrive(ds_bars.index(par))
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(tile_free.index(stage))
+        if not OVERLAP:
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(tile_free.index(stage))
         if DQ_SPLIT:
             # dQ of the tile over all 128 keys once, this warpgroup's half of its columns:
             # dS_0 K_0[:, cols] + dS_1 K_1[:, cols], one bulk add.
@@ -167,7 +185,12 @@ def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_read
                                no_dq, use_acc=False, is_async=True)
             dq = warpgroup_mma(ds_smem.index(par * 2 + 1).permute((1, 0)),
                                k_smem.index(1).slice(WG * HALF_D, HALF_D, dim=1), dq, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            if OVERLAP:
+                # Groups complete in order: one wait retires dV, dK and dQ.
+                dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                mbarrier.arrive(tile_free.index(stage))
+            else:
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             mbarrier.arrive(ds_bars.index(2 + par))
             buf = dq_smem.index(WG)
             tma.store_wait(0)
@@ -197,30 +220,32 @@ def _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_read
     out = (bh * seq_len + rows_kv) * HEAD_D + cols_d
     gl.store(DK + out, (dk * sm_scale).to(dtype))
     gl.store(DV + out, dv.to(dtype))
-    if DQ_BUFS > 1:
+    if DQ_MODE > 0:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _consume_wg0(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars,
-                 LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2,
-                 sm_scale, CAUSAL):
-    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, LSE2, DELTA,
-             DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL, 0)
+                 flags, LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2,
+                 sm_scale):
+    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, flags,
+             LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
+             0)
 
 
 @gluon.jit
 def _consume_wg1(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars,
-                 LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2,
-                 sm_scale, CAUSAL):
-    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, LSE2, DELTA,
-             DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale, CAUSAL, 1)
+                 flags, LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2,
+                 sm_scale):
+    _consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars, flags,
+             LSE2, DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
+             1)
 
 
 @gluon.jit
 def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE2, DELTA, DQ_ACC, DK, DV, seq_len, qk_scale_log2,
                     sm_scale, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr,
-                    LOAD_REGS: gl.constexpr, DQ_BUFS: gl.constexpr):
+                    LOAD_REGS: gl.constexpr, DQ_MODE: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     HALF: gl.constexpr = k_desc.block_type.shape[0]
@@ -239,9 +264,13 @@ def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE2, DELTA, DQ_AC
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
     # dS^T per warpgroup; with the split dQ per (tile parity, warpgroup).
-    ds_smem = gl.allocate_shared_memory(dtype, [4 if DQ_BUFS == 2 else 2, HALF, BLOCK_M], ds_layout)
-    # dQ staging for the bulk adds (DQ_MODES); one unused slot with atomics.
+    ds_smem = gl.allocate_shared_memory(dtype, [4 if DQ_MODE >= 2 else 2, HALF, BLOCK_M], ds_layout)
+    # dQ staging for the bulk adds: per (warpgroup, column half), per warpgroup when split;
+    # one unused slot with atomics.
+    DQ_BUFS: gl.constexpr = 1 if DQ_MODE == 0 else 4 if DQ_MODE == 1 else 2
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
+    # The partitions' compile-time flags, as this buffer's length (never read).
+    flags = gl.allocate_shared_memory(gl.int64, [flags_length(DQ_MODE, CAUSAL), 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -259,9 +288,8 @@ def attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE2, DELTA, DQ_AC
     fence_async_shared()
 
     consumer_args = (q_bufs, do_bufs, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, tile_free, ds_bars,
-                     LSE2,
-                     DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale,
-                     CAUSAL)
+                     flags, LSE2,
+                     DELTA, DQ_ACC, dq_desc, DK, DV, bh, seq_len, off_n, first_tile, num_tiles, qk_scale_log2, sm_scale)
     gl.warp_specialize([
         (_consume_wg0, consumer_args),
         (_consume_wg1, consumer_args),
@@ -284,11 +312,11 @@ def _dq_layout(block_m, head_d):
     return gl.NVMMASharedLayout.get_default_for([block_m, head_d // 2], gl.float32)
 
 
-#: How dQ reaches global memory, as the count of float32 staging buffers: relaxed atomics
-#: of each warpgroup's 64-key partial (1, unused); bulk TMA adds of those partials by column
-#: half (4: warpgroup x half); "split": the tile's dQ over all 128 keys once, each
-#: warpgroup its half of the columns, one bulk add each (2).
-DQ_MODES = {"atomic": 1, "tma": 4, "split": 2}
+#: How dQ reaches global memory: relaxed float32 atomics of each warpgroup's 64-key partial;
+#: bulk TMA adds of those partials by column half; "split": the tile's dQ over all 128 keys
+#: once, each warpgroup its half of the columns, one bulk add each; "split_overlap": the
+#: same with dV and dK left in flight until the dQ products are waited on.
+DQ_MODES = {"atomic": 0, "tma": 1, "split": 2, "split_overlap": 3}
 
 
 def compile_offline(head_dims=(64, 128)) -> int:
@@ -310,9 +338,9 @@ def compile_offline(head_dims=(64, 128)) -> int:
                "LSE2": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "DK": "*bf16", "DV": "*bf16",
                "seq_len": "i32", "qk_scale_log2": "fp32", "sm_scale": "fp32",
                "CAUSAL": "constexpr", "NUM_STAGES": "constexpr", "MMA_REGS": "constexpr",
-               "LOAD_REGS": "constexpr", "DQ_BUFS": "constexpr"}
+               "LOAD_REGS": "constexpr", "DQ_MODE": "constexpr"}
         consts = {"CAUSAL": causal, "NUM_STAGES": c["NUM_STAGES"], "MMA_REGS": c["MMA_REGS"],
-                  "LOAD_REGS": c["LOAD_REGS"], "DQ_BUFS": DQ_MODES[dq_mode]}
+                  "LOAD_REGS": c["LOAD_REGS"], "DQ_MODE": DQ_MODES[dq_mode]}
         name = f"bwd D={D} {'causal' if causal else 'no mask'} dQ {dq_mode}"
         try:
             k = triton.compile(GluonASTSource(attn_bwd_kernel, sig, constexprs=consts),
