@@ -176,7 +176,12 @@ def test_tma_choice():
     if ON_CUDA:  # the interpreter would take minutes over 4096 x 4096, and is never automatic
         auto = torch.cuda.get_device_capability() >= (9, 0)
         long = TMA_MIN_KV_LENGTH  # queries as many as keys: a prefill, not the decode kernel
-        assert constexpr(compile_and_code(L=long, S=long, check=False), "USE_TMA") == str(auto)
+        # B=2 x 16 heads x D=128 at 4096 x 4096: TMA_MIN_FORWARD_WORK exactly.
+        assert constexpr(compile_and_code(L=long, S=long, E=128, Hq=16, Hkv=16, check=False),
+                         "USE_TMA") == str(auto)
+        torch._dynamo.reset()
+        # The same lengths with 2 heads and D=32: a small call keeps pointer loads.
+        assert constexpr(compile_and_code(L=long, S=long, check=False), "USE_TMA") == "False"
         torch._dynamo.reset()
     assert constexpr(compile_and_code(check=False), "USE_TMA") == "False"
     torch._dynamo.reset()
@@ -200,6 +205,12 @@ def test_tma_defaults_per_kernel_and_head_dim(monkeypatch):
         assert not configs.tma_by_default("forward", dev, dim, torch.float32, long)
         assert not configs.tma_by_default("forward", dev, dim, torch.bfloat16, short)
         assert not configs.tma_by_default("backward", dev, dim, torch.float16, short)
+    # A small forward call keeps pointer loads (the static launcher); the backward's choice
+    # does not read the work.
+    big, small = configs.TMA_MIN_FORWARD_WORK, configs.TMA_MIN_FORWARD_WORK - 1
+    assert configs.tma_by_default("forward", dev, 64, torch.bfloat16, long, work=big)
+    assert not configs.tma_by_default("forward", dev, 64, torch.bfloat16, long, work=small)
+    assert configs.tma_by_default("backward", dev, 128, torch.bfloat16, long, work=small)
     monkeypatch.setattr(configs, "gpu_generation", lambda device: "sm80")
     assert not configs.tma_by_default("forward", dev, 128, torch.bfloat16, long)
 

@@ -432,9 +432,11 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_d
     requested = _options.read(kernel_options, "USE_TMA")
     if requested is not None and not requested:
         return False
-    if requested is None and not tma_by_default(kernel, query.get_device(), qk_dim_pad, query.get_dtype(),
-                                                hint(key.get_size()[-2])):
-        return False
+    if requested is None:
+        B, H, L, E = (hint(n) for n in query.get_size())
+        S = hint(key.get_size()[-2])
+        if not tma_by_default(kernel, query.get_device(), qk_dim_pad, query.get_dtype(), S, B * H * L * S * E):
+            return False
     if key.get_dtype() != query.get_dtype():
         # float8 keys and values: the tile shapes and configs are the query dtype's.
         if requested:

@@ -24,12 +24,21 @@ TMA_DEFAULTS: dict[str, frozenset[tuple[str, int]]] = {
 #: the launch's descriptor scratch adds host time (bench/DECISIONS.md#tma-short-sequences).
 TMA_MIN_KV_LENGTH = 4096
 
+#: A forward call below this much work (batch x heads x queries x keys x head dim) keeps
+#: pointer loads: its kernel takes about the host's time to issue it, and descriptors
+#: (device-built, in Triton's global scratch) keep it off Inductor's static launcher, 25-34 us
+#: more a call for the same kernel time (bench/DECISIONS.md#tma-small-forward-calls).
+TMA_MIN_FORWARD_WORK = 2 ** 36
+
 
 def tma_by_default(kernel: str, device: torch.device, padded_head_dim: int, dtype: torch.dtype,
-                   kv_length: int) -> bool:
+                   kv_length: int, work: int | None = None) -> bool:
     """Whether ``kernel`` uses tensor descriptors when USE_TMA is not given (``kv_length``:
-    the keys per head, a hint when symbolic)."""
+    the keys per head, ``work``: batch x heads x queries x keys x head dim, hints when
+    symbolic)."""
     if dtype not in (torch.float16, torch.bfloat16) or kv_length < TMA_MIN_KV_LENGTH:
+        return False
+    if kernel == "forward" and work is not None and work < TMA_MIN_FORWARD_WORK:
         return False
     key = (gpu_generation(device), head_dim_bucket(padded_head_dim))
     return key in TMA_DEFAULTS.get(kernel, frozenset())
