@@ -224,6 +224,9 @@ def _check_backend(kernel_options: dict[str, Any]) -> None:
         raise ValueError("flexattn: kernel_options BACKEND='FLASH' selects torch's FlashAttention (CuTe) kernels, "
                          "which flexattn does not have; use 'AUTO', 'TRITON', 'GLUON' (flexattn's warp-specialised "
                          "Hopper forward) or 'TRITON_DECODE'")
+    if backend == "GLUON" and kernel_options.get("USE_TMA") in (False, 0):
+        raise ValueError("flexattn: kernel_options BACKEND='GLUON' and USE_TMA=False contradict each other: the "
+                         "Gluon forward loads its tiles through tensor descriptors; pass one of them")
     forced = kernel_options.get("FORCE_DECODE")
     if forced is not None and backend != "AUTO" and bool(forced) != (backend == "TRITON_DECODE"):
         raise ValueError(f"flexattn: kernel_options BACKEND={backend!r} and FORCE_DECODE={forced!r} contradict "

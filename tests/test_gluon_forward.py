@@ -127,6 +127,9 @@ def test_backend_triton_forces_the_template():
 
 def test_backend_gluon_is_a_known_option_and_flash_names_it():
     flexattn.options.validate({"BACKEND": "GLUON"})
+    for off in (False, 0):
+        with pytest.raises(ValueError, match="BACKEND='GLUON' and USE_TMA=False contradict"):
+            flexattn.options.validate({"BACKEND": "GLUON", "USE_TMA": off})
     with pytest.raises(ValueError, match="'GLUON'"):
         flexattn.options.validate({"BACKEND": "FLASH"})
 
