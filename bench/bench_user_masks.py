@@ -13,8 +13,9 @@ S=4096) and D=64 and 128, in three modes: ``fwd`` (no grad), ``fwd_grad`` (input
 require grad, forward only: the call a training step makes first) and ``fwdbwd``.
 
 For every cell and implementation (``flexattn``; ``torch_flex``, torch's compiled
-flex_attention; ``torch_flash``, torch's flex with ``BACKEND="FLASH"`` where it runs)
-it records
+flex_attention; ``torch_flash``, torch's flex with ``BACKEND="FLASH"`` where it runs; on
+request ``flexattn_triton``, flexattn with its Triton template forced, to judge the kernel
+choice) it records
 
 * ``kernel_us``: GPU kernel time per call, the sum over the call's kernels from
   torch.profiler (``profiler.kernel_table``);
@@ -22,11 +23,15 @@ it records
   with a synchronize at the end (what a host-bound small call costs a user);
 * ``max_abs_err``: flexattn's output (and gradients) against torch's flex.
 
+and per case what flexattn's BlockMask lists per query block (``partial_per_row``,
+``full_per_row``, ``walk_keys``): what a kernel choice by mask would read.
+
 Times are the median of ``--rounds`` rounds taken in turn over the implementations.
 
     python bench/bench_user_masks.py                                   # everything (long: use parts)
     python bench/bench_user_masks.py --part 1/8 --out "$OUT"            # one eighth of the cases
     python bench/bench_user_masks.py --formulations doc_offsets_causal --shapes b4h16s8192 --head-dims 128
+    python bench/bench_user_masks.py --impls torch_flex,flexattn,flexattn_triton --head-dims 128 --mode fwd
     python bench/bench_user_masks.py --merge part1.json part2.json      # one result file from parts
     python bench/bench_user_masks.py --dry-run                         # CPU, tiny shapes, seconds
     python bench/bench_user_masks.py --list
@@ -61,7 +66,12 @@ import bench_attention as ba  # noqa: E402
 import flexattn  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
-IMPLS = ("torch_flex", "flexattn", "torch_flash")
+IMPLS = ("torch_flex", "flexattn", "torch_flash", "flexattn_triton")
+#: What a run measures unless --impls says otherwise; ``flexattn_triton`` (flexattn's
+#: Triton template forced, BACKEND="TRITON") is on request, beside the default plan's kernel
+#: where a kernel choice is in question.
+DEFAULT_IMPLS = ("torch_flex", "flexattn", "torch_flash")
+IMPL_OPTIONS = {"torch_flash": {"BACKEND": "FLASH"}, "flexattn_triton": {"BACKEND": "TRITON"}}
 MODES = ("fwd", "fwd_grad", "fwdbwd")
 #: Calls per back-to-back wall-time batch.
 WALL_CALLS = 20
@@ -394,10 +404,11 @@ class Settings:
 
 
 def _call(impl: str, score_mod, masks: dict, inputs, settings: Settings) -> Callable:
-    library = flexattn if impl == "flexattn" else torch_flex
+    ours = impl.startswith("flexattn")
+    library = flexattn if ours else torch_flex
     compiled = torch.compile(library.flex_attention, fullgraph=True, dynamic=False, backend=settings.compile_backend)
-    block_mask = masks["flexattn" if impl == "flexattn" else "torch"]
-    options = {"BACKEND": "FLASH"} if impl == "torch_flash" else None
+    block_mask = masks["flexattn" if ours else "torch"]
+    options = IMPL_OPTIONS.get(impl)
     q, k, v = inputs
 
     def call():
@@ -424,6 +435,16 @@ def _progress(case: Case, what: str) -> None:
     print(f"[{time.perf_counter() - _STARTED:7.1f} s] {case.name}: {what}", file=sys.stderr, flush=True)
 
 
+def listing(block_mask) -> dict[str, float]:
+    """What the BlockMask lists per query block, on average: partial and full KV blocks,
+    and the keys a program walks (``walk_keys``), the quantities a kernel choice by mask
+    would read."""
+    partial = block_mask.kv_num_blocks.float().mean().item()
+    full = 0.0 if block_mask.full_kv_num_blocks is None else block_mask.full_kv_num_blocks.float().mean().item()
+    return {"partial_per_row": partial, "full_per_row": full,
+            "walk_keys": (partial + full) * block_mask.BLOCK_SIZE[1]}
+
+
 def run_case(case: Case, settings: Settings) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Every impl and mode of one case; never raises (a failure becomes the cell's ``error``)."""
     device = settings.device
@@ -441,7 +462,8 @@ def run_case(case: Case, settings: Settings) -> tuple[dict[str, Any], list[dict[
         info["error"] = ba.error_text(error)[:400]
         return info, [{"case": case.name, "mode": m, "impl": i, "error": info["error"]}
                       for m in settings.modes for i in settings.impls]
-    info.update(q_len=built.q_len, kv_len=built.kv_len, block_density=ba.block_density(masks["torch"]))
+    info.update(q_len=built.q_len, kv_len=built.kv_len, block_density=ba.block_density(masks["torch"]),
+                **listing(masks["flexattn"]))
     cells = []
     for mode in settings.modes:
         torch._dynamo.reset()
@@ -556,8 +578,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"Masks as users write them on {report['gpu']} (torch {report['torch']}, triton {report['triton']}), "
              f"{report['settings']['dtype']}: kernel and wall µs per call, flexattn / torch flex (torch's time over "
              f"flexattn's), median of {report['settings']['rounds']} rounds in turn{dry}", "",
-             "| case | mode | kernel fa / tf | ratio | wall fa / tf | ratio | FLASH kernel | max err |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| case | walk keys (partial %) | mode | kernel fa / tf | ratio | wall fa / tf | ratio | FLASH kernel "
+             "| fa Triton kernel | max err |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for info in report["cases"]:
         for mode in MODES:
             fa = by_key.get((info["name"], mode, "flexattn"))
@@ -565,6 +588,10 @@ def markdown(report: dict[str, Any]) -> str:
                 continue
             tf = by_key.get((info["name"], mode, "torch_flex"), {})
             fl = by_key.get((info["name"], mode, "torch_flash"), {})
+            ft = by_key.get((info["name"], mode, "flexattn_triton"), {})
+            listed = info.get("partial_per_row", 0.0) + info.get("full_per_row", 0.0)
+            walk = (f"{info['walk_keys']:.0f} ({100 * info['partial_per_row'] / listed:.0f}%)"
+                    if "walk_keys" in info and listed else "-")
 
             def ratio(key):
                 return _fmt(tf[key] / fa[key], ".2f") if fa.get(key) and tf.get(key) else "-"
@@ -573,9 +600,9 @@ def markdown(report: dict[str, Any]) -> str:
                 return "ERR" if "error" in record else "n/a" if "note" in record else _fmt(record.get(key))
 
             err = fa.get("max_abs_err")
-            lines.append(f"| {info['name']} | {mode} | {cell(fa, 'kernel_us')} / {cell(tf, 'kernel_us')} | "
+            lines.append(f"| {info['name']} | {walk} | {mode} | {cell(fa, 'kernel_us')} / {cell(tf, 'kernel_us')} | "
                          f"{ratio('kernel_us')} | {cell(fa, 'wall_us')} / {cell(tf, 'wall_us')} | {ratio('wall_us')} | "
-                         f"{cell(fl, 'kernel_us') if fl else '-'} | "
+                         f"{cell(fl, 'kernel_us') if fl else '-'} | {cell(ft, 'kernel_us') if ft else '-'} | "
                          f"{'-' if err is None else format(err, '.1e') + (' !' if fa.get('err_flag') else '')} |")
     lines.append("")
     for mode, s in report["summary"].items():
@@ -630,7 +657,8 @@ def parse_args(argv):
     parser.add_argument("--tops", choices=("plain", "on_top", "both"), default="both",
                         help="the formulations plain, with their score_mod on top, or both")
     parser.add_argument("--mode", help=f"comma-separated of {list(MODES)} (default: all)")
-    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated of {list(IMPLS)}")
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                        help=f"comma-separated of {list(IMPLS)} (default: {','.join(DEFAULT_IMPLS)})")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds taken in turn (default 3)")
     parser.add_argument("--part", help="K/N: the K-th of N contiguous slices of the selected cases")
     parser.add_argument("--case-timeout", type=float, default=600.0,

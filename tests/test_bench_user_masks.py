@@ -62,7 +62,8 @@ def test_cross_attention_video_heads_and_prompts():
 
 def test_dry_run_writes_kernel_and_wall_times_beside_torch(tmp_path):
     report = um.main(["--dry-run", "--out", str(tmp_path), "--formulations", "doc_offsets_causal,text_to_image",
-                      "--tops", "both", "--mode", "fwd,fwdbwd"])
+                      "--tops", "both", "--mode", "fwd,fwdbwd",
+                      "--impls", "torch_flex,flexattn,torch_flash,flexattn_triton"])
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == 2 and files[0].startswith("user-masks-cpu-") and files[0].endswith(".json")
     saved = json.loads((tmp_path / files[0]).read_text())
@@ -76,6 +77,11 @@ def test_dry_run_writes_kernel_and_wall_times_beside_torch(tmp_path):
         assert cells[(case["name"], "fwdbwd", "flexattn")]["wall_us"] > 0
         assert "note" in cells[(case["name"], "fwdbwd", "torch_flex")]
         assert "note" in cells[(case["name"], "fwd", "torch_flash")]
+        # The Triton template forced: the same results (on the CPU the engine runs both).
+        assert cells[(case["name"], "fwd", "flexattn_triton")]["max_abs_err"] < 1e-4
+        # The listing: a causal document mask lists fewer keys per query block than there are.
+        assert 0 < case["walk_keys"] <= case["kv_len"] + 127
+        assert case["partial_per_row"] > 0
     assert "doc_offsets_causal+alibi_b1h2s256_d16" in saved["markdown"]
     assert saved["summary"]["fwd"]["small_wall_cases"] == 4
 
