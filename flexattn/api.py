@@ -56,6 +56,8 @@ def _is_supported_dtype(dtype: torch.dtype) -> bool:
 
 def _is_fp8_kv_dtype(dtype: torch.dtype) -> bool:
     return dtype == torch.float8_e4m3fn or dtype == torch.float8_e5m2
+
+
 #: Head dims the Triton kernels take (their tiles and shared memory), and the C++ CPU
 #: engine's (its scratch grows with the head dim; tested up to here).
 MAX_HEAD_DIM = 256

@@ -224,7 +224,7 @@ def _check_backend(kernel_options: dict[str, Any]) -> None:
         raise ValueError("flexattn: kernel_options BACKEND='FLASH' selects torch's FlashAttention (CuTe) kernels, "
                          "which flexattn does not have; use 'AUTO', 'TRITON', 'GLUON' (flexattn's warp-specialised "
                          "Hopper forward) or 'TRITON_DECODE'")
-    if backend == "GLUON" and kernel_options.get("USE_TMA") in (False, 0):
+    if backend == "GLUON" and forbids_tma(kernel_options):
         raise ValueError("flexattn: kernel_options BACKEND='GLUON' and USE_TMA=False contradict each other: the "
                          "Gluon forward loads its tiles through tensor descriptors; pass one of them")
     forced = kernel_options.get("FORCE_DECODE")
@@ -253,6 +253,12 @@ def read(kernel_options: dict[str, Any], name: str, default: Any = PER_CALL) -> 
     if value is not None:
         return value
     return default if default is not PER_CALL else entry.default
+
+
+def forbids_tma(kernel_options: dict[str, Any]) -> bool:
+    """USE_TMA given and false (False or 0): no tensor-descriptor loads, and so no Gluon forward."""
+    requested = read(kernel_options, "USE_TMA")
+    return requested is not None and not requested
 
 
 def read_internal(kernel_options: dict[str, Any], name: str) -> Any:

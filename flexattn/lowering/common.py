@@ -429,9 +429,9 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_d
     ``extra_operands``: further (node, name) tiles the kernel reads through descriptors
     (the backward's output gradient).
     """
-    requested = _options.read(kernel_options, "USE_TMA")
-    if requested is not None and not requested:
+    if _options.forbids_tma(kernel_options):
         return False
+    requested = _options.read(kernel_options, "USE_TMA")
     if requested is None:
         B, H, L, E = (hint(n) for n in query.get_size())
         S = hint(key.get_size()[-2])

@@ -155,7 +155,7 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         backend=_options.read(kernel_options, "BACKEND"),
         mask_reads_memory=common.mask_reads_memory(mask_mod_buffers),
         partial_heavy=_options.read_internal(kernel_options, "MASK_PARTIAL_HEAVY"),
-        tma_forbidden=_options.read(kernel_options, "USE_TMA") in (False, 0),
+        tma_forbidden=_options.forbids_tma(kernel_options),
     )
     if plan_forward(inputs).kernel != "gluon":
         # Only a call the Gluon kernel would take has its inputs realized here; the
