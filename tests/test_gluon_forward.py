@@ -25,6 +25,7 @@ from flexattn._hop import flex_attention_hop
 from flexattn.block_mask import create_block_mask, noop_mask
 from flexattn.lowering import dispatch
 from flexattn.lowering.configs import gluon_forward as gluon_configs
+from flexattn.lowering.configs import tma as tma_configs
 from flexattn.lowering.forward_plan import ForwardInputs, ForwardPlan, plan_forward
 from flexattn.lowering.gluon_template import gluon_compatible
 from flexattn.templates import kernel_source
@@ -83,6 +84,21 @@ def test_head_dim_64_takes_the_triton_template_unless_gluon_is_asked_for():
     assert 64 not in gluon_configs.DEFAULT_HEAD_DIMS
     assert plan_forward(d64) == ForwardPlan("triton", "head dim 64: the Triton template measured faster")
     assert plan_forward(dataclasses.replace(d64, backend="GLUON")).kernel == "gluon"
+
+
+def test_small_calls_take_the_triton_template_unless_descriptors_are_asked_for():
+    """Below TMA_MIN_FORWARD_WORK the template with pointer loads runs the call (Inductor's
+    static launcher); at it, with USE_TMA=True, BACKEND='GLUON' or an unknown size, Gluon."""
+    limit = tma_configs.TMA_MIN_FORWARD_WORK
+    assert limit == 8 * 16 * 2048 * 2048 * 128
+    small = dataclasses.replace(HOPPER_CALL, work=limit - 1)
+    plan = plan_forward(small)
+    assert plan.kernel == "triton" and plan.reason.startswith(f"a small call (batch x heads x queries x keys x "
+                                                              f"head dim {limit - 1} < {limit})"), plan
+    for change in (dict(work=limit), dict(work=None), dict(tma_requested=True), dict(backend="GLUON")):
+        assert plan_forward(dataclasses.replace(small, **change)).kernel == "gluon", change
+    # Rules that rule Gluon out still name their own reason first.
+    assert "float32" in plan_forward(dataclasses.replace(small, dtype=torch.float32, kv_dtype=torch.float32)).reason
 
 
 def test_partial_heavy_memory_masks_take_the_triton_template_at_d128():
@@ -431,10 +447,17 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")
 def test_default_choice_on_hopper_is_logged(caplog):
-    q, k, v = harness.make_inputs(3, B=1, Hq=2, L=256, S=256, E=128, dtype=torch.bfloat16)
+    # 8 x 16 x 2048 x 2048 x 128 is TMA_MIN_FORWARD_WORK: the smallest call the Gluon kernel takes.
+    q, k, v = harness.make_inputs(3, B=8, Hq=16, L=2048, S=2048, E=128, dtype=torch.bfloat16)
     with caplog.at_level("INFO", logger="flexattn.lowering"):
         torch.compile(flexattn.flex_attention)(q, k, v)
     assert any("forward kernel Gluon" in r.getMessage() for r in caplog.records)
+    torch._dynamo.reset()
+    caplog.clear()
+    q, k, v = harness.make_inputs(3, B=1, Hq=2, L=256, S=256, E=128, dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="flexattn.lowering"):
+        torch.compile(flexattn.flex_attention)(q, k, v)
+    assert any("forward kernel Triton (a small call" in r.getMessage() for r in caplog.records)
     torch._dynamo.reset()
     q, k, v = harness.make_inputs(3, B=1, Hq=2, L=256, S=256, E=128, dtype=torch.float32)
     with caplog.at_level("INFO", logger="flexattn.lowering"):

@@ -18,6 +18,7 @@ import torch
 from .. import options as _options
 from . import common
 from .configs import gluon_forward as gluon_configs
+from .configs import tma as tma_configs
 
 #: Gluon's Hopper API, as the Gluon kernel uses it (Triton 3.6 and later).
 _GLUON_HOPPER_MODULE = "triton.experimental.gluon.language.nvidia.hopper"
@@ -51,6 +52,10 @@ class ForwardInputs:
     partial_heavy: bool | None = None
     #: kernel_options USE_TMA=False: the call forbids tensor-descriptor loads.
     tma_forbidden: bool = False
+    #: kernel_options USE_TMA=True: the call asks for tensor-descriptor loads.
+    tma_requested: bool = False
+    #: batch x heads x queries x keys x QK head dim (size hints; None: not known).
+    work: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,13 @@ def plan_forward(inputs: ForwardInputs) -> ForwardPlan:
         return ForwardPlan("gluon", "kernel_options BACKEND='GLUON'")
     if obstacle is not None:
         return ForwardPlan("triton", obstacle)
+    if (not inputs.tma_requested and inputs.work is not None
+            and inputs.work < tma_configs.TMA_MIN_FORWARD_WORK):
+        # The Gluon kernel's device-built descriptors keep a call off Inductor's static
+        # launcher, which a small call feels (bench/DECISIONS.md#tma-small-forward-calls).
+        return ForwardPlan("triton", f"a small call (batch x heads x queries x keys x head dim {inputs.work} "
+                                     f"< {tma_configs.TMA_MIN_FORWARD_WORK}): pointer loads and Inductor's "
+                                     f"static launcher")
     if inputs.qk_head_dim not in gluon_configs.DEFAULT_HEAD_DIMS:
         return ForwardPlan("triton", f"head dim {inputs.qk_head_dim}: the Triton template measured faster")
     if (inputs.mask_reads_memory and inputs.partial_heavy
@@ -120,6 +132,12 @@ def gluon_available() -> bool:
         return importlib.util.find_spec(_GLUON_HOPPER_MODULE) is not None
     except ImportError:
         return False
+
+
+def _work(query, key) -> int:
+    """batch x heads x queries x keys x QK head dim of a call, from size hints."""
+    B, H, L, E = (common.hint(n) for n in query.get_size())
+    return B * H * L * common.hint(key.get_size()[-2]) * E
 
 
 def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any], dropout_seed,
@@ -156,6 +174,8 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         mask_reads_memory=common.mask_reads_memory(mask_mod_buffers),
         partial_heavy=_options.read_internal(kernel_options, "MASK_PARTIAL_HEAVY"),
         tma_forbidden=_options.forbids_tma(kernel_options),
+        tma_requested=bool(_options.read(kernel_options, "USE_TMA")),
+        work=_work(query, key),
     )
     if plan_forward(inputs).kernel != "gluon":
         # Only a call the Gluon kernel would take has its inputs realized here; the

@@ -1,0 +1,172 @@
+"""Does the Gluon forward lose time to the warpgroup barriers Triton puts around its mbarrier arrivals?
+
+    PYTHONPATH=. python bench/experiments/gluon_forward_sync.py [--variants base,expect,noturn,named]
+    PYTHONPATH=. python bench/experiments/gluon_forward_sync.py --offline OUT_DIR   # CPU: render only
+
+Triton 3.6's shared-memory barrier analysis puts a `bar.sync` of the warpgroup before each
+`mbarrier.arrive` of a consumer warpgroup and between two waits on one mbarrier array: four
+per KV tile in `templates/gluon_forward.py.jinja`. Variants of the template's text, each
+compiled through flexattn (the lowering takes the patched template), timed in turn in one
+process on the issue #48 shapes:
+
+- base: the template as it is;
+- expect: each consumer arrival written as `mbarrier.expect(bar, 0)` (an arrival that
+  expects no bytes), which the analysis lets pass without a barrier;
+- noturn: as expect, without the turns between the two consumer warpgroups;
+- named: as expect, the turns through hardware named barriers (`bar.sync` / `bar.arrive` of
+  both warpgroups' 256 threads, as FlashAttention-3 does), which no warp can overtake.
+
+Prints one JSON line per case: TFLOP/s per variant (median of rounds in turn) and each
+variant's largest difference from base's output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+#: Turn handshakes through named barriers 14 and 15 (Triton's partitions use the low ids).
+NAMED_HELPERS = '''
+
+@gluon.jit
+def turn_sync(WARPGROUP: gl.constexpr):
+    """Wait until the other warpgroup hands this one its turn (all 256 threads meet)."""
+    lanes = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    if WARPGROUP == 0:
+        gl.inline_asm_elementwise("bar.sync 14, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync 15, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def turn_give(WARPGROUP: gl.constexpr):
+    """Hand warpgroup WARPGROUP its turn."""
+    lanes = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    if WARPGROUP == 0:
+        gl.inline_asm_elementwise("bar.arrive 14, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.arrive 15, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+'''
+
+
+def _expect_arrivals(text: str) -> str:
+    return re.sub(r"mbarrier\.arrive\(((?:turn|k_empty|v_empty)\.index\([^)]*\))\)", r"mbarrier.expect(\1, 0)", text)
+
+
+def variant_source(name: str, text: str) -> str:
+    """The template's text for variant ``name``."""
+    if name == "base":
+        return text
+    out = _expect_arrivals(text)
+    if name == "expect":
+        return out
+    if name == "noturn":
+        out = "\n".join(line for line in out.split("\n") if not re.search(r"mbarrier\.(expect|wait)\(turn", line))
+        return out.replace("    if WARPGROUP == 1:\n    mbarrier.wait(q_ready, 0)", "    mbarrier.wait(q_ready, 0)")
+    if name == "named":
+        out = out.replace("mbarrier.wait(turn.index(WARPGROUP), 0)", "turn_sync(WARPGROUP)")
+        out = out.replace("mbarrier.wait(turn.index(WARPGROUP), it & 1)", "turn_sync(WARPGROUP)")
+        out = out.replace("    if WARPGROUP == 1:\n        mbarrier.expect(turn.index(0), 0)",
+                          "    if WARPGROUP == 1:\n        if num_tiles > 0:\n            turn_give(0)")
+        out = out.replace("mbarrier.expect(turn.index(1 - WARPGROUP), 0)", "turn_give(1 - WARPGROUP)")
+        # Warpgroup 1 hands over once more than warpgroup 0 waits: a last wait consumes it, so
+        # that no named barrier is left half arrived at exit.
+        tail = ("        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))\n"
+                "        mbarrier.expect(v_empty.index(last_stage), 0)\n")
+        assert out.count(tail) == 1
+        out = out.replace(tail, tail + "        if WARPGROUP == 0:\n            turn_sync(0)\n")
+        assert "mbarrier.expect(turn" not in out and "mbarrier.wait(turn" not in out
+        return out + NAMED_HELPERS
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def install(name: str, text: str):
+    """Point the Gluon forward lowering at variant ``name`` of the template."""
+    from flexattn.lowering import gluon_forward
+    from flexattn.lowering.gluon_template import GluonTemplate
+
+    template = GluonTemplate(name=f"{gluon_forward.TEMPLATE_NAME}_{name}", grid=gluon_forward.gluon_forward_grid,
+                             source=variant_source(name, text))
+    gluon_forward.gluon_forward_template = template
+
+
+CASES = {
+    "no_mask_s8192_d128": (4, 16, 8192, 128, False),
+    "causal_s8192_d128": (4, 16, 8192, 128, True),
+    "no_mask_s8192_d64": (4, 16, 8192, 64, False),
+    "causal_s8192_d64": (4, 16, 8192, 64, True),
+    "causal_s4096_d256_b2": (2, 16, 4096, 256, True),
+}
+
+
+def compiled_call(tag: str):
+    """A compiled flexattn forward whose code object is its own, so Dynamo keeps one graph per variant."""
+    import torch
+
+    import flexattn
+    namespace = {"flexattn": flexattn}
+    source = (f"def forward_{tag}(q, k, v, block_mask):\n"
+              f"    return flexattn.flex_attention(q, k, v, block_mask=block_mask, kernel_options={{'BACKEND': 'GLUON'}})\n")
+    exec(compile(source, f"<gluon_forward_sync {tag}>", "exec"), namespace)
+    return torch.compile(namespace[f"forward_{tag}"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default="base,expect,noturn,named")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--offline", metavar="OUT_DIR", help="write each variant's template text and stop")
+    args = parser.parse_args()
+    from flexattn.templates import kernel_source
+    text = kernel_source("gluon_forward")
+    variants = args.variants.split(",")
+    if args.offline:
+        for name in variants:
+            with open(f"{args.offline}/gluon_forward_{name}.py.jinja", "w") as f:
+                f.write(variant_source(name, text))
+        return
+
+    import torch
+    from torch._inductor import config as inductor_config
+
+    import flexattn
+    from flexattn import mods
+
+    sys.path.insert(0, "bench")
+    from _tuning import allow_recompiles, medians_in_turn
+    allow_recompiles()
+    inductor_config.force_disable_caches = True
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": __import__("triton").__version__}), flush=True)
+    for case in args.cases.split(","):
+        B, H, S, D, causal = CASES[case]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        block_mask = flexattn.create_block_mask(mods.causal_mask, None, None, S, S) if causal else None
+        fns, outs, errors = {}, {}, {}
+        for name in variants:
+            install(name, text)
+            fn = compiled_call(f"{name}_{case}")
+            try:
+                outs[name] = fn(q, k, v, block_mask)
+                torch.cuda.synchronize()
+                fns[name] = fn
+            except Exception as e:  # noqa: BLE001 - a variant that fails to build is a reading
+                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        ms = medians_in_turn(fns, q, k, v, block_mask, rounds=args.rounds)
+        flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+        row = {"case": case, "tflops": {n: round(flops / (t * 1e-3) / 1e12, 1) for n, t in ms.items()},
+               "ms": {n: round(t, 4) for n, t in ms.items()}, "errors": errors}
+        if "base" in outs:
+            row["maxdiff_vs_base"] = {n: float((o.float() - outs["base"].float()).abs().max()) for n, o in outs.items()}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
