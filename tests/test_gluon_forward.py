@@ -296,15 +296,15 @@ def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp
 #: The mbarrier operations of the producer (load_tiles) and of a consumer warpgroup
 #: (consume_rows) in source order, as (operation, barrier, index expression). The model
 #: below is built from these; the first test holds them to the template.
-PRODUCER_OPS = [("expect", "q_ready", None), ("wait", "k_empty", "stage"), ("expect", "k_ready", "stage"),
+PRODUCER_OPS = [("wait", "k_empty", "stage"), ("expect", "k_ready", "stage"),
                 ("wait", "v_empty", "stage"), ("expect", "v_ready", "stage")]
-CONSUMER_OPS = [("arrive", "turn", "0"), ("wait", "q_ready", None),
+CONSUMER_OPS = [("arrive", "turn", "0"),
                 ("wait", "k_ready", "0"), ("wait", "turn", "WARPGROUP"), ("arrive", "turn", "1 - WARPGROUP"),
                 ("arrive", "k_empty", "0"),
                 ("wait", "k_ready", "stage"), ("wait", "v_ready", "last_stage"), ("wait", "turn", "WARPGROUP"),
                 ("arrive", "turn", "1 - WARPGROUP"), ("arrive", "k_empty", "stage"), ("arrive", "v_empty", "last_stage"),
                 ("wait", "v_ready", "last_stage"), ("arrive", "v_empty", "last_stage")]
-BARRIER_COUNTS = {"q_ready": 1, "k_ready": 1, "v_ready": 1, "k_empty": 2, "v_empty": 2, "turn": 1}
+BARRIER_COUNTS = {"k_ready": 1, "v_ready": 1, "k_empty": 2, "v_empty": 2, "turn": 1}
 
 
 def _template_ops(function: str) -> list[tuple]:
@@ -317,7 +317,7 @@ def _programs(tiles: int, stages: int, extra_final_turn: bool = False) -> list[l
     """The three partitions' operations for one program of ``tiles`` KV tiles, as
     ("arrive" | "tma" | "wait", (barrier, slot), phase the wait means); "tma" is an arrival
     that lands later (the copy engine's completion of an expect)."""
-    producer = [("tma", ("q_ready", 0), None)]
+    producer = []
     for it in range(tiles):
         stage, lap = it % stages, it // stages
         # The first lap waits on a fresh barrier's phase 1, which passes: phase -1 here.
@@ -326,7 +326,6 @@ def _programs(tiles: int, stages: int, extra_final_turn: bool = False) -> list[l
     consumers = []
     for wg in (0, 1):
         ops = [("arrive", ("turn", 0), None)] if wg == 1 else []
-        ops.append(("wait", ("q_ready", 0), 0))
         if tiles:
             ops += [("wait", ("k_ready", 0), 0), ("wait", ("turn", wg), 0), ("arrive", ("turn", 1 - wg), None),
                     ("arrive", ("k_empty", 0), None)]

@@ -59,9 +59,13 @@ def _expect_arrivals(text: str) -> str:
 
 
 def variant_source(name: str, text: str) -> str:
-    """The template's text for variant ``name``."""
+    """The template's text for variant ``name`` (``file:PATH``: the kernel source saved in PATH,
+    e.g. another revision's ``kernel_source("gluon_forward")``)."""
     if name == "base":
         return text
+    if name.startswith("file:"):
+        with open(name[len("file:"):]) as f:
+            return f.read()
     out = _expect_arrivals(text)
     if name == "expect":
         return out
@@ -95,18 +99,29 @@ def install(name: str, text: str):
     from flexattn.lowering.gluon_template import GluonTemplate
 
     if name not in _TEMPLATES:
-        _TEMPLATES[name] = GluonTemplate(name=f"{gluon_forward.TEMPLATE_NAME}_{name}",
+        _TEMPLATES[name] = GluonTemplate(name=f"{gluon_forward.TEMPLATE_NAME}_{len(_TEMPLATES)}",
                                          grid=gluon_forward.gluon_forward_grid, source=variant_source(name, text))
     gluon_forward.gluon_forward_template = _TEMPLATES[name]
 
 
+# name: (B, H, S, D, mask: None, "causal", "window1024" or "document8")
 CASES = {
-    "no_mask_s8192_d128": (4, 16, 8192, 128, False),
-    "causal_s8192_d128": (4, 16, 8192, 128, True),
-    "no_mask_s8192_d64": (4, 16, 8192, 64, False),
-    "causal_s8192_d64": (4, 16, 8192, 64, True),
-    "causal_s4096_d256_b2": (2, 16, 4096, 256, True),
+    "no_mask_s8192_d128": (4, 16, 8192, 128, None),
+    "causal_s8192_d128": (4, 16, 8192, 128, "causal"),
+    "window1024_s8192_d128": (4, 16, 8192, 128, "window1024"),
+    "document8_s8192_d128": (4, 16, 8192, 128, "document8"),
+    "no_mask_s8192_d64": (4, 16, 8192, 64, None),
+    "causal_s8192_d64": (4, 16, 8192, 64, "causal"),
+    "causal_s4096_d256_b2": (2, 16, 4096, 256, "causal"),
 }
+
+
+def mask_mod(kind, S):
+    from bench_attention import document_ids
+
+    from flexattn import mods
+    return {"causal": lambda: mods.causal_mask, "window1024": lambda: mods.sliding_window(1024),
+            "document8": lambda: mods.document_mask(document_ids(S, 8, "cuda"))}[kind]()
 
 
 def compiled_call(tag: str):
@@ -141,7 +156,6 @@ def main() -> None:
     from torch._inductor import config as inductor_config
 
     import flexattn
-    from flexattn import mods
 
     sys.path.insert(0, "bench")
     from _tuning import allow_recompiles, medians_in_turn
@@ -150,10 +164,10 @@ def main() -> None:
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": __import__("triton").__version__}), flush=True)
     for case in args.cases.split(","):
-        B, H, S, D, causal = CASES[case]
+        B, H, S, D, mask = CASES[case]
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-        block_mask = flexattn.create_block_mask(mods.causal_mask, None, None, S, S) if causal else None
+        block_mask = flexattn.create_block_mask(mask_mod(mask, S), None, None, S, S) if mask else None
         fns, outs, errors = {}, {}, {}
         for name in variants:
             install(name, text)
@@ -165,9 +179,13 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is a reading
                 errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
         ms = medians_in_turn(fns, q, k, v, block_mask, rounds=args.rounds)
-        flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-        row = {"case": case, "tflops": {n: round(flops / (t * 1e-3) / 1e12, 1) for n, t in ms.items()},
-               "ms": {n: round(t, 4) for n, t in ms.items()}, "errors": errors}
+        flops = 4 * B * H * S * S * D * (0.5 if mask == "causal" else 1.0)
+        row = {"case": case, "ms": {n: round(t, 4) for n, t in ms.items()}, "errors": errors}
+        if mask in (None, "causal"):
+            row["tflops"] = {n: round(flops / (t * 1e-3) / 1e12, 1) for n, t in ms.items()}
+        first = next(iter(ms), None)
+        if first is not None:
+            row[f"speed_vs_{first}"] = {n: round(ms[first] / t, 3) for n, t in ms.items()}
         if "base" in outs:
             row["maxdiff_vs_base"] = {n: float((o.float() - outs["base"].float()).abs().max()) for n, o in outs.items()}
         print(json.dumps(row), flush=True)
