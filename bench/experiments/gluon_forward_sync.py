@@ -171,7 +171,7 @@ def main() -> None:
         fns, outs, errors = {}, {}, {}
         for name in variants:
             install(name, text)
-            fn = compiled_call(f"{name}_{case}")
+            fn = compiled_call(re.sub(r"\W", "_", f"{name}_{case}"))
             try:
                 outs[name] = fn(q, k, v, block_mask)
                 torch.cuda.synchronize()
