@@ -118,8 +118,9 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "load the tiles each program's loop walks (K, V; in the backward also Q, dO) through tensor "
                  "descriptors (Hopper's copy engine) instead of pointer loads, the tiles read once per program "
                  "through pointers; True asks for it anywhere the layouts allow, in both backward program kinds "
-                 "(else warns and uses pointers), False turns it off (and so the Gluon forward, made of "
-                 "descriptor loads: the call takes the Triton template)", "torch",
+                 "(else warns and uses pointers) and keeps a small forward call on the Gluon kernel, False turns "
+                 "it off (and so the Gluon forward, made of descriptor loads: the call takes the Triton "
+                 "template)", "torch",
                  default_doc="on for 16-bit inputs on sm90+ where it measured faster: forward every head dim, "
                              "backward D 65-128 in its dQ programs only (with DQ_ATOMIC in its dK/dV programs), "
                              "from 4096 keys, never decode; a forward also needs batch x heads x queries x keys x "

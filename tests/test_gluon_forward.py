@@ -94,11 +94,38 @@ def test_small_calls_take_the_triton_template_unless_descriptors_are_asked_for()
     small = dataclasses.replace(HOPPER_CALL, work=limit - 1)
     plan = plan_forward(small)
     assert plan.kernel == "triton" and plan.reason.startswith(f"a small call (batch x heads x queries x keys x "
-                                                              f"head dim {limit - 1} < {limit})"), plan
+                                                              f"head dim {limit - 1} < 2**36)"), plan
     for change in (dict(work=limit), dict(work=None), dict(tma_requested=True), dict(backend="GLUON")):
         assert plan_forward(dataclasses.replace(small, **change)).kernel == "gluon", change
     # Rules that rule Gluon out still name their own reason first.
     assert "float32" in plan_forward(dataclasses.replace(small, dtype=torch.float32, kv_dtype=torch.float32)).reason
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_plan_reads_the_calls_work_and_use_tma_off_its_nodes(dynamic, monkeypatch):
+    """forward_inputs: work is B*H*L*S*E of a static call and unknown (None) in a dynamic
+    graph, which keeps one kernel for every size; USE_TMA=True reaches tma_requested."""
+    seen = []
+
+    def record(inputs):
+        seen.append(inputs)
+        return ForwardPlan("triton", "recorded")
+
+    monkeypatch.setattr(dispatch, "plan_forward", record)
+    B, H, L, S, E = 2, 3, 40, 56, 16
+    gen = harness.generator(0)
+    q = harness.randn(gen, B, H, L, E, dtype=torch.float16)
+    k, v = (harness.randn(gen, B, H, S, E, dtype=torch.float16) for _ in range(2))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(cpu_backend="triton"):
+        for options in ({}, {"USE_TMA": True}):
+            compiled = torch.compile(flexattn.flex_attention, dynamic=dynamic)
+            try:
+                compiled(q, k, v, kernel_options=options)
+            except Exception:  # noqa: BLE001 - only the plan's inputs matter here
+                pass
+    assert [i.tma_requested for i in seen[-2:]] == [False, True], seen
+    assert {i.work for i in seen} == ({None} if dynamic else {B * H * L * S * E}), seen
 
 
 def test_partial_heavy_memory_masks_take_the_triton_template_at_d128():

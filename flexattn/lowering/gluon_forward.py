@@ -52,7 +52,7 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         has_score_mod=call.has_score_mod, kernel="forward", reversed_q_tiles_default=False,
     )
     spec["HAS_SINKS"] = sinks is not None
-    # This kernel loads every tile through descriptors whatever the Triton template's
+    # This kernel loads its K and V tiles through descriptors whatever the Triton template's
     # default would be (a constant, so calls on either side of that default share a kernel).
     spec["USE_TMA"] = True
     usable = gluon_configs.candidate_configs(spec["QK_HEAD_DIM"], spec["V_HEAD_DIM"], query.get_dtype().itemsize,
