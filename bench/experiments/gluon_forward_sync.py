@@ -60,8 +60,9 @@ def _expect_arrivals(text: str) -> str:
 
 def variant_source(name: str, text: str) -> str:
     """The template's text for variant ``name`` (``file:PATH``: the kernel source saved in PATH,
-    e.g. another revision's ``kernel_source("gluon_forward")``)."""
-    if name == "base":
+    e.g. another revision's ``kernel_source("gluon_forward")``; ``opt:KEY=VALUE``: the
+    template as it is, the call with kernel_options KEY=VALUE)."""
+    if name == "base" or name.startswith("opt:"):
         return text
     if name.startswith("file:"):
         with open(name[len("file:"):]) as f:
@@ -124,14 +125,23 @@ def mask_mod(kind, S):
             "document8": lambda: mods.document_mask(document_ids(S, 8, "cuda"))}[kind]()
 
 
-def compiled_call(tag: str):
+def variant_options(name: str) -> dict:
+    """The call's kernel_options for variant ``name``."""
+    options = {"BACKEND": "GLUON"}
+    if name.startswith("opt:"):
+        key, value = name[len("opt:"):].split("=", 1)
+        options[key] = json.loads(value)
+    return options
+
+
+def compiled_call(tag: str, options: dict):
     """A compiled flexattn forward whose code object is its own, so Dynamo keeps one graph per variant."""
     import torch
 
     import flexattn
     namespace = {"flexattn": flexattn}
     source = (f"def forward_{tag}(q, k, v, block_mask):\n"
-              f"    return flexattn.flex_attention(q, k, v, block_mask=block_mask, kernel_options={{'BACKEND': 'GLUON'}})\n")
+              f"    return flexattn.flex_attention(q, k, v, block_mask=block_mask, kernel_options={options!r})\n")
     exec(compile(source, f"<gluon_forward_sync {tag}>", "exec"), namespace)
     return torch.compile(namespace[f"forward_{tag}"])
 
@@ -171,7 +181,7 @@ def main() -> None:
         fns, outs, errors = {}, {}, {}
         for name in variants:
             install(name, text)
-            fn = compiled_call(re.sub(r"\W", "_", f"{name}_{case}"))
+            fn = compiled_call(re.sub(r"\W", "_", f"{name}_{case}"), variant_options(name))
             try:
                 outs[name] = fn(q, k, v, block_mask)
                 torch.cuda.synchronize()
