@@ -117,7 +117,7 @@ def test_the_plan_reads_the_calls_work_and_use_tma_off_its_nodes(dynamic, monkey
     q = harness.randn(gen, B, H, L, E, dtype=torch.float16)
     k, v = (harness.randn(gen, B, H, S, E, dtype=torch.float16) for _ in range(2))
     torch._dynamo.reset()
-    with torch._inductor.config.patch(cpu_backend="triton"):
+    with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, force_disable_caches=True):
         for options in ({}, {"USE_TMA": True}):
             compiled = torch.compile(flexattn.flex_attention, dynamic=dynamic)
             try:
