@@ -411,9 +411,22 @@ def _explore(programs: list[list[tuple]]) -> list[str]:
     return problems
 
 
+#: The phase argument of each wait in the template, in source order: `_programs` models
+#: these (a changed expression fails here before it can mislead the model).
+PRODUCER_WAIT_PHASES = ["phase ^ 1", "phase ^ 1"]
+CONSUMER_WAIT_PHASES = ["0", "0", "phase", "last_phase", "it & 1", "last_phase"]
+
+
+def _template_wait_phases(function: str) -> list[str]:
+    body = kernel_source("gluon_forward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
+    return re.findall(r"mbarrier\.wait\(\w+(?:\.index\([^)]*\))?, (.+)\)\n", body)
+
+
 def test_the_model_has_the_templates_barrier_operations():
     assert _template_ops("load_tiles") == PRODUCER_OPS
     assert _template_ops("consume_rows") == CONSUMER_OPS
+    assert _template_wait_phases("load_tiles") == PRODUCER_WAIT_PHASES
+    assert _template_wait_phases("consume_rows") == CONSUMER_WAIT_PHASES
 
 
 @pytest.mark.parametrize("stages", sorted({c.num_stages for c in gluon_configs.SM90.values()} | {3}))
