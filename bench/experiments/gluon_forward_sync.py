@@ -27,31 +27,22 @@ import re
 import sys
 
 #: Turn handshakes through named barriers 14 and 15 (Triton's partitions use the low ids).
-NAMED_HELPERS = '''
+_NAMED_TURN = """
 
 @gluon.jit
-def turn_sync(WARPGROUP: gl.constexpr):
-    """Wait until the other warpgroup hands this one its turn (all 256 threads meet)."""
+def turn_{name}(WARPGROUP: gl.constexpr):
+    \"\"\"{doc}\"\"\"
     lanes = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
     if WARPGROUP == 0:
-        gl.inline_asm_elementwise("bar.sync 14, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+        gl.inline_asm_elementwise("bar.{op} 14, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
                                   is_pure=False, pack=1)
     else:
-        gl.inline_asm_elementwise("bar.sync 15, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+        gl.inline_asm_elementwise("bar.{op} 15, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
                                   is_pure=False, pack=1)
-
-
-@gluon.jit
-def turn_give(WARPGROUP: gl.constexpr):
-    """Hand warpgroup WARPGROUP its turn."""
-    lanes = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    if WARPGROUP == 0:
-        gl.inline_asm_elementwise("bar.arrive 14, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("bar.arrive 15, 256; mov.u32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-'''
+"""
+NAMED_HELPERS = (_NAMED_TURN.format(name="sync", op="sync", doc="Wait until the other warpgroup hands this one its "
+                                                                "turn (all 256 threads meet).")
+                 + "\n" + _NAMED_TURN.format(name="give", op="arrive", doc="Hand warpgroup WARPGROUP its turn."))
 
 
 def _expect_arrivals(text: str) -> str:
