@@ -326,8 +326,8 @@ def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp
 PRODUCER_OPS = [("wait", "k_empty", "stage"), ("expect", "k_ready", "stage"),
                 ("wait", "v_empty", "stage"), ("expect", "v_ready", "stage")]
 CONSUMER_OPS = [("arrive", "turn", "0"),
-                ("wait", "k_ready", "0"), ("wait", "turn", "WARPGROUP"), ("arrive", "turn", "1 - WARPGROUP"),
-                ("arrive", "k_empty", "0"),
+                ("wait", "k_ready", "stage"), ("wait", "turn", "WARPGROUP"), ("arrive", "turn", "1 - WARPGROUP"),
+                ("arrive", "k_empty", "stage"),
                 ("wait", "k_ready", "stage"), ("wait", "v_ready", "last_stage"), ("wait", "turn", "WARPGROUP"),
                 ("arrive", "turn", "1 - WARPGROUP"), ("arrive", "k_empty", "stage"), ("arrive", "v_empty", "last_stage"),
                 ("wait", "v_ready", "last_stage"), ("arrive", "v_empty", "last_stage")]
@@ -340,31 +340,39 @@ def _template_ops(function: str) -> list[tuple]:
             re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", body)]
 
 
-def _programs(tiles: int, stages: int, extra_final_turn: bool = False) -> list[list[tuple]]:
-    """The three partitions' operations for one program of ``tiles`` KV tiles, as
-    ("arrive" | "tma" | "wait", (barrier, slot), phase the wait means); "tma" is an arrival
-    that lands later (the copy engine's completion of an expect)."""
-    producer = []
-    for it in range(tiles):
-        stage, lap = it % stages, it // stages
-        # The first lap waits on a fresh barrier's phase 1, which passes: phase -1 here.
-        producer += [("wait", ("k_empty", stage), lap - 1), ("tma", ("k_ready", stage), None),
-                     ("wait", ("v_empty", stage), lap - 1), ("tma", ("v_ready", stage), None)]
+def _programs(tiles: int | list[int], stages: int, extra_final_turn: bool = False) -> list[list[tuple]]:
+    """The three partitions' operations for one program walking query tiles of ``tiles`` KV
+    tiles each (an int: one query tile), as ("arrive" | "tma" | "wait", (barrier, slot),
+    phase the wait means); "tma" is an arrival that lands later (the copy engine's
+    completion of an expect). The ring's and the turns' counts run on across query tiles."""
+    walks = [tiles] if isinstance(tiles, int) else list(tiles)
+    producer, done = [], 0
+    for count in walks:
+        for g in range(done, done + count):
+            stage, lap = g % stages, g // stages
+            # The first lap waits on a fresh barrier's phase 1, which passes: phase -1 here.
+            producer += [("wait", ("k_empty", stage), lap - 1), ("tma", ("k_ready", stage), None),
+                         ("wait", ("v_empty", stage), lap - 1), ("tma", ("v_ready", stage), None)]
+        done += count
     consumers = []
     for wg in (0, 1):
         ops = [("arrive", ("turn", 0), None)] if wg == 1 else []
-        if tiles:
-            ops += [("wait", ("k_ready", 0), 0), ("wait", ("turn", wg), 0), ("arrive", ("turn", 1 - wg), None),
-                    ("arrive", ("k_empty", 0), None)]
-            for it in range(1, tiles):
-                stage, last = it % stages, (it - 1) % stages
-                ops += [("wait", ("k_ready", stage), it // stages), ("wait", ("v_ready", last), (it - 1) // stages),
-                        ("wait", ("turn", wg), it), ("arrive", ("turn", 1 - wg), None),
-                        ("arrive", ("k_empty", stage), None), ("arrive", ("v_empty", last), None)]
-            last = (tiles - 1) % stages
-            ops += [("wait", ("v_ready", last), (tiles - 1) // stages), ("arrive", ("v_empty", last), None)]
-            if extra_final_turn:
-                ops.append(("arrive", ("turn", 1 - wg), None))
+        done = 0
+        for count in walks:
+            if count:
+                stage = done % stages
+                ops += [("wait", ("k_ready", stage), done // stages), ("wait", ("turn", wg), done),
+                        ("arrive", ("turn", 1 - wg), None), ("arrive", ("k_empty", stage), None)]
+                for g in range(done + 1, done + count):
+                    stage, last = g % stages, (g - 1) % stages
+                    ops += [("wait", ("k_ready", stage), g // stages), ("wait", ("v_ready", last), (g - 1) // stages),
+                            ("wait", ("turn", wg), g), ("arrive", ("turn", 1 - wg), None),
+                            ("arrive", ("k_empty", stage), None), ("arrive", ("v_empty", last), None)]
+                last = (done + count - 1) % stages
+                ops += [("wait", ("v_ready", last), (done + count - 1) // stages), ("arrive", ("v_empty", last), None)]
+            done += count
+        if extra_final_turn and done:
+            ops.append(("arrive", ("turn", 1 - wg), None))
         consumers.append(ops)
     return [producer, *consumers]
 
@@ -430,7 +438,7 @@ def test_the_model_has_the_templates_barrier_operations():
 
 
 @pytest.mark.parametrize("stages", sorted({c.num_stages for c in gluon_configs.SM90.values()} | {3}))
-@pytest.mark.parametrize("tiles", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("tiles", [0, 1, 2, 3, 4, [2, 0, 3], [1, 1, 1], [0, 2]])
 def test_no_interleaving_of_the_partitions_hangs(tiles, stages):
     assert _explore(_programs(tiles, stages)) == []
 
@@ -457,6 +465,10 @@ GPU_CASES = {
     "empty_rows_d128": dict(E=128, L=384, S=384, mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
     "cross_q_shorter_d128": dict(E=128, L=100, S=777),
     "value_dim_64_d128": dict(E=128, Ev=64, L=256, S=512, mask=mods.causal_mask),
+    # Enough heads that a program walks several query tiles (programs_per_head: one per head).
+    "many_heads_gqa_causal_d128": dict(E=128, Hq=64, Hkv=16, L=640, S=640, mask=mods.causal_mask),
+    "many_heads_empty_rows_d128": dict(E=128, Hq=64, Hkv=64, L=384, S=384,
+                                       mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
 }
 
 

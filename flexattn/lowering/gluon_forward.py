@@ -18,15 +18,23 @@ from .. import _compat
 from ..templates import kernel_source
 from . import common
 from .configs import gluon_forward as gluon_configs
+from .configs.base import multiprocessor_count
 from .gluon_template import GluonTemplate
 
 TEMPLATE_NAME = "flexattn_gluon_forward"
 
 
 @SymbolicGridFn
-def gluon_forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv):
-    """(query tiles of BLOCK_M rows, batch, query heads): one program per tile of one head."""
-    return (cdiv(q_len, meta["BLOCK_M"]), batch, q_heads)
+def gluon_forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv, min):
+    """(programs per head, batch, query heads): each program walks every PROGRAMS_PER_HEAD-th
+    query tile of one head, at most one program per tile."""
+    return (min(cdiv(q_len, meta["BLOCK_M"]), meta["PROGRAMS_PER_HEAD"]), batch, q_heads)
+
+
+def programs_per_head(device, batch: int, q_heads: int) -> int:
+    """As many programs as the GPU has SMs (one program fills an SM), shared out among the
+    heads: fewer programs than tiles, so each program's next tile overlaps this one's end."""
+    return max(1, multiprocessor_count(device) // max(1, batch * q_heads))
 
 
 gluon_forward_template = GluonTemplate(
@@ -52,6 +60,8 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         has_score_mod=call.has_score_mod, kernel="forward", reversed_q_tiles_default=False,
     )
     spec["HAS_SINKS"] = sinks is not None
+    B, Hq = (common.hint(n) for n in query.get_size()[:2])
+    spec["PROGRAMS_PER_HEAD"] = programs_per_head(query.get_device(), B, Hq)
     # This kernel loads its K and V tiles through descriptors whatever the Triton template's
     # default would be (a constant, so calls on either side of that default share a kernel).
     spec["USE_TMA"] = True
