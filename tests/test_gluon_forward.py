@@ -469,6 +469,9 @@ GPU_CASES = {
     "many_heads_gqa_causal_d128": dict(E=128, Hq=64, Hkv=16, L=640, S=640, mask=mods.causal_mask),
     "many_heads_empty_rows_d128": dict(E=128, Hq=64, Hkv=64, L=384, S=384,
                                        mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
+    # One program walks all of its head's query tiles, odd lengths, a sliding window.
+    "one_program_per_head_window_d128": dict(E=128, L=1000, S=1100, mask=mods.sliding_window(300),
+                                             options=dict(PROGRAMS_PER_HEAD=1)),
 }
 
 
@@ -483,7 +486,7 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
     score_mod = {"alibi": mods.alibi(Hq, device=DEVICE), "softcap": mods.tanh_softcap(30.0),
                  None: lambda score, b, h, q_idx, kv_idx: score}[c.get("score")]
     block_mask = create_block_mask(c.get("mask") or noop_mask, None, None, c["L"], c["S"], device=DEVICE)
-    options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND=backend)
+    options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND=backend, **c.get("options", {}))
     scale = c["E"] ** -0.5
     bm = block_mask.as_tuple()
     golden, ref = harness.reference_runs(harness.dense_reference(score_mod, bm, scale, options), (q, k, v))

@@ -80,3 +80,11 @@ def test_guide_table_is_generated_from_the_registry():
     assert kernel_options_table.render(text) == text, "run python3 scripts/kernel_options_table.py"
     for name in options.PUBLIC_KEYS:
         assert f"| `{name}` |" in text
+
+
+def test_programs_per_head_must_be_positive():
+    assert options.validate({"PROGRAMS_PER_HEAD": 3}) == {"PROGRAMS_PER_HEAD": 3}
+    with pytest.raises(ValueError, match="PROGRAMS_PER_HEAD must be 1 or more, got 0"):
+        options.validate({"PROGRAMS_PER_HEAD": 0})
+    with pytest.raises(TypeError, match="PROGRAMS_PER_HEAD"):
+        options.validate({"PROGRAMS_PER_HEAD": 1.5})

@@ -15,6 +15,7 @@ from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn
 
 from .. import _compat
+from .. import options as _options
 from ..templates import kernel_source
 from . import common
 from .configs import gluon_forward as gluon_configs
@@ -61,7 +62,8 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
     )
     spec["HAS_SINKS"] = sinks is not None
     B, Hq = (common.hint(n) for n in query.get_size()[:2])
-    spec["PROGRAMS_PER_HEAD"] = programs_per_head(query.get_device(), B, Hq)
+    spec["PROGRAMS_PER_HEAD"] = _options.read(kernel_options, "PROGRAMS_PER_HEAD",
+                                              default=programs_per_head(query.get_device(), B, Hq))
     # This kernel loads its K and V tiles through descriptors whatever the Triton template's
     # default would be (a constant, so calls on either side of that default share a kernel).
     spec["USE_TMA"] = True
