@@ -23,9 +23,8 @@ class GluonForwardConfig(TileConfig):
     block_n: int
     num_stages: int
     #: Registers per thread of the one-warp TMA producer and of each consumer warpgroup:
-    #: 32 + 2 x 240 (x 128 threads) fill the register file with one program per SM; the
-    #: producer walks each query tile's block lists (24 spilled under Triton 3.9).
-    load_regs: int = 32
+    #: 24 + 2 x 240 (x 128 threads) fill the register file with one program per SM.
+    load_regs: int = 24
     mma_regs: int = 240
     #: The default partition: one consumer warpgroup (the other is a worker partition).
     num_warps: int = 4
