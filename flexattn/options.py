@@ -143,7 +143,8 @@ OPTIONS: tuple[KernelOption, ...] = (
     KernelOption("PROGRAMS_PER_HEAD", "int", PER_CALL, ("forward",),
                  "Gluon forward: programs per (batch, query head), each walking every n-th query tile of its "
                  "head (1 or more; as many as the query tiles or more: one tile per program)",
-                 default_doc="the GPU's multiprocessors shared out among batch x heads, at least 1"),
+                 default_doc="the GPU's multiprocessors shared out among batch x heads where that takes no "
+                             "more waves than one program per query tile, else one per tile"),
     KernelOption("FORCE_DECODE", "tristate", PER_CALL, _DEC,
                  "True / False: always / never use the split-KV decode kernel",
                  default_doc="decode kernel when the query has at most 64 rows and the keys at least 256"),

@@ -24,6 +24,7 @@ from flexattn import mods
 from flexattn._hop import flex_attention_hop
 from flexattn.block_mask import create_block_mask, noop_mask
 from flexattn.lowering import dispatch
+from flexattn.lowering import gluon_forward as gluon_forward_lowering
 from flexattn.lowering.configs import gluon_forward as gluon_configs
 from flexattn.lowering.configs import tma as tma_configs
 from flexattn.lowering.forward_plan import ForwardInputs, ForwardPlan, plan_forward
@@ -126,6 +127,31 @@ def test_the_plan_reads_the_calls_work_and_use_tma_off_its_nodes(dynamic, monkey
                 pass
     assert [i.tma_requested for i in seen[-2:]] == [False, True], seen
     assert {i.work for i in seen} == ({None} if dynamic else {B * H * L * S * E}), seen
+
+
+@pytest.mark.parametrize("tiles, heads, expected", [
+    (64, 64, 2),     # 128 programs of 32 tiles: one wave, as 4096 one-tile programs take 32
+    (64, 8, 16),     # 128 programs of 4 tiles
+    (64, 80, 64),    # one program per head would leave 52 of 132 SMs idle: one per tile
+    (64, 133, 64),   # two waves of whole heads: one per tile
+    (3, 8, 16),      # the grid's min() keeps it to the 3 tiles
+])
+def test_programs_per_head_shares_the_sms_unless_that_takes_more_waves(tiles, heads, expected):
+    assert gluon_forward_lowering.programs_per_head(tiles, heads, 132) == expected
+    grid = gluon_forward_lowering.gluon_forward_grid(2, heads // 2 or 1, tiles * 128, 128,
+                                                     {"BLOCK_M": 128, "PROGRAMS_PER_HEAD": 0, "NUM_SMS": 132})
+    assert grid[0] == min(tiles, gluon_forward_lowering.programs_per_head(tiles, 2 * (heads // 2 or 1), 132))
+    # kernel_options PROGRAMS_PER_HEAD overrides, clamped to the tiles.
+    assert gluon_forward_lowering.gluon_forward_grid(2, 4, tiles * 128, 128,
+                                                     {"BLOCK_M": 128, "PROGRAMS_PER_HEAD": 5, "NUM_SMS": 132})[0] \
+        == min(tiles, 5)
+
+
+def test_programs_per_head_follow_symbolic_sizes():
+    import sympy
+
+    s = sympy.Symbol("s", positive=True, integer=True)
+    assert gluon_forward_lowering.programs_per_head(s, 8, 132) == s
 
 
 def test_partial_heavy_memory_masks_take_the_triton_template_at_d128():
@@ -472,6 +498,9 @@ GPU_CASES = {
     # One program walks all of its head's query tiles, odd lengths, a sliding window.
     "one_program_per_head_window_d128": dict(E=128, L=1000, S=1100, mask=mods.sliding_window(300),
                                              options=dict(PROGRAMS_PER_HEAD=1)),
+    # Programs three tiles apart, walked from the last tile; rows of the first tile see nothing.
+    "strided_reversed_walk_d128": dict(E=128, L=1000, S=1000, mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi),
+                                       options=dict(PROGRAMS_PER_HEAD=3, REVERSED_Q_TILES=True)),
 }
 
 

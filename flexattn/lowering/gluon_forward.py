@@ -27,15 +27,33 @@ TEMPLATE_NAME = "flexattn_gluon_forward"
 
 @SymbolicGridFn
 def gluon_forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv, min):
-    """(programs per head, batch, query heads): each program walks every PROGRAMS_PER_HEAD-th
-    query tile of one head, at most one program per tile."""
-    return (min(cdiv(q_len, meta["BLOCK_M"]), meta["PROGRAMS_PER_HEAD"]), batch, q_heads)
+    """(programs per head, batch, query heads): each program walks every n-th query tile of
+    one head, at most one program per tile; n is kernel_options PROGRAMS_PER_HEAD where
+    given (meta 0: automatic, `programs_per_head` of the run-time sizes)."""
+    tiles = cdiv(q_len, meta["BLOCK_M"])
+    wanted = meta["PROGRAMS_PER_HEAD"] or programs_per_head(tiles, batch * q_heads, meta["NUM_SMS"])
+    return (min(tiles, wanted), batch, q_heads)
 
 
-def programs_per_head(device, batch: int, q_heads: int) -> int:
-    """As many programs as the GPU has SMs (one program fills an SM), shared out among the
-    heads: fewer programs than tiles, so each program's next tile overlaps this one's end."""
-    return max(1, multiprocessor_count(device) // max(1, batch * q_heads))
+def _static(n):
+    """An int for a size known now (an int or a sympy number), else None."""
+    if isinstance(n, int):
+        return n
+    return int(n) if getattr(n, "is_number", False) else None
+
+
+def programs_per_head(tiles, heads, sms: int):
+    """Programs per head: one per SM shared out among the heads (each walking several
+    tiles, the next one's loads overlapping this one's end) where that takes no more waves
+    of tiles than one program per tile does, else one program per tile; one per tile too
+    where the sizes are symbolic (the grid then follows the run-time sizes)."""
+    tiles_now, heads_now = _static(tiles), _static(heads)
+    if tiles_now is None or heads_now is None:
+        return tiles
+    shared = max(1, sms // max(1, heads_now))
+    waves_shared = -(-heads_now * shared // sms) * -(-tiles_now // shared)
+    waves_per_tile = -(-heads_now * tiles_now // sms)
+    return shared if waves_shared <= waves_per_tile else tiles_now
 
 
 gluon_forward_template = GluonTemplate(
@@ -61,9 +79,9 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         has_score_mod=call.has_score_mod, kernel="forward", reversed_q_tiles_default=False,
     )
     spec["HAS_SINKS"] = sinks is not None
-    B, Hq = (common.hint(n) for n in query.get_size()[:2])
-    spec["PROGRAMS_PER_HEAD"] = _options.read(kernel_options, "PROGRAMS_PER_HEAD",
-                                              default=programs_per_head(query.get_device(), B, Hq))
+    # 0: the grid picks the count from the run-time sizes; a constant, so one kernel serves all.
+    spec["PROGRAMS_PER_HEAD"] = _options.read(kernel_options, "PROGRAMS_PER_HEAD", default=0)
+    spec["NUM_SMS"] = multiprocessor_count(query.get_device())
     # This kernel loads its K and V tiles through descriptors whatever the Triton template's
     # default would be (a constant, so calls on either side of that default share a kernel).
     spec["USE_TMA"] = True
