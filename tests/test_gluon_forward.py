@@ -448,7 +448,8 @@ def _explore(programs: list[list[tuple]]) -> list[str]:
 #: The phase argument of each wait in the template, in source order: `_programs` models
 #: these (a changed expression fails here before it can mislead the model).
 PRODUCER_WAIT_PHASES = ["phase ^ 1", "phase ^ 1"]
-CONSUMER_WAIT_PHASES = ["0", "0", "phase", "last_phase", "it & 1", "last_phase"]
+CONSUMER_WAIT_PHASES = ["(done // NUM_STAGES) & 1", "done & 1", "phase", "last_phase", "(done + it) & 1",
+                        "last_phase"]
 
 
 def _template_wait_phases(function: str) -> list[str]:
