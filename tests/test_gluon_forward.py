@@ -129,29 +129,24 @@ def test_the_plan_reads_the_calls_work_and_use_tma_off_its_nodes(dynamic, monkey
     assert {i.work for i in seen} == ({None} if dynamic else {B * H * L * S * E}), seen
 
 
-@pytest.mark.parametrize("tiles, heads, expected", [
-    (64, 64, 2),     # 128 programs of 32 tiles: one wave, as 4096 one-tile programs take 32
-    (64, 8, 16),     # 128 programs of 4 tiles
-    (64, 80, 64),    # one program per head would leave 52 of 132 SMs idle: one per tile
-    (64, 133, 64),   # two waves of whole heads: one per tile
-    (3, 8, 16),      # the grid's min() keeps it to the 3 tiles
+@pytest.mark.parametrize("batch, heads, q_len, programs, expected", [
+    (4, 16, 8192, 0, 132),      # 4096 query tiles: one program per SM
+    (1, 2, 1000, 0, 16),        # 16 tiles: one program each
+    (4, 16, 8192, 5, 5),        # kernel_options NUM_PROGRAMS
+    (1, 1, 300, 7, 3),          # at most one program per tile
 ])
-def test_programs_per_head_shares_the_sms_unless_that_takes_more_waves(tiles, heads, expected):
-    assert gluon_forward_lowering.programs_per_head(tiles, heads, 132) == expected
-    grid = gluon_forward_lowering.gluon_forward_grid(2, heads // 2 or 1, tiles * 128, 128,
-                                                     {"BLOCK_M": 128, "PROGRAMS_PER_HEAD": 0, "NUM_SMS": 132})
-    assert grid[0] == min(tiles, gluon_forward_lowering.programs_per_head(tiles, 2 * (heads // 2 or 1), 132))
-    # kernel_options PROGRAMS_PER_HEAD overrides, clamped to the tiles.
-    assert gluon_forward_lowering.gluon_forward_grid(2, 4, tiles * 128, 128,
-                                                     {"BLOCK_M": 128, "PROGRAMS_PER_HEAD": 5, "NUM_SMS": 132})[0] \
-        == min(tiles, 5)
+def test_the_grid_launches_one_program_per_sm_at_most_one_per_tile(batch, heads, q_len, programs, expected):
+    meta = {"BLOCK_M": 128, "NUM_PROGRAMS": programs, "NUM_SMS": 132}
+    assert gluon_forward_lowering.gluon_forward_grid(batch, heads, q_len, 128, meta) == (expected, 1, 1)
 
 
-def test_programs_per_head_follow_symbolic_sizes():
+def test_the_grid_follows_symbolic_sizes():
     import sympy
 
     s = sympy.Symbol("s", positive=True, integer=True)
-    assert gluon_forward_lowering.programs_per_head(s, 8, 132) == s
+    grid = gluon_forward_lowering.gluon_forward_grid.sympy_call(2, 8, s, 128,
+                                                                {"BLOCK_M": 128, "NUM_PROGRAMS": 0, "NUM_SMS": 132})
+    assert grid[0].subs(s, 128 * 100) == 132 and grid[0].subs(s, 128 * 3) == 48
 
 
 def test_partial_heavy_memory_masks_take_the_triton_template_at_d128():
@@ -492,16 +487,19 @@ GPU_CASES = {
     "empty_rows_d128": dict(E=128, L=384, S=384, mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
     "cross_q_shorter_d128": dict(E=128, L=100, S=777),
     "value_dim_64_d128": dict(E=128, Ev=64, L=256, S=512, mask=mods.causal_mask),
-    # Enough heads that a program walks several query tiles (programs_per_head: one per head).
+    # More query tiles than SMs: each program walks several, across heads and batches.
     "many_heads_gqa_causal_d128": dict(E=128, Hq=64, Hkv=16, L=640, S=640, mask=mods.causal_mask),
     "many_heads_empty_rows_d128": dict(E=128, Hq=64, Hkv=64, L=384, S=384,
                                        mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
-    # One program walks all of its head's query tiles, odd lengths, a sliding window.
-    "one_program_per_head_window_d128": dict(E=128, L=1000, S=1100, mask=mods.sliding_window(300),
-                                             options=dict(PROGRAMS_PER_HEAD=1)),
-    # Programs three tiles apart, walked from the last tile; rows of the first tile see nothing.
+    # One program walks every query tile of the call, odd lengths, a sliding window.
+    "one_program_window_d128": dict(E=128, L=1000, S=1100, mask=mods.sliding_window(300),
+                                    options=dict(NUM_PROGRAMS=1)),
+    # Programs three tiles apart, each head walked from its last tile; rows of the first tile see nothing.
     "strided_reversed_walk_d128": dict(E=128, L=1000, S=1000, mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi),
-                                       options=dict(PROGRAMS_PER_HEAD=3, REVERSED_Q_TILES=True)),
+                                       options=dict(NUM_PROGRAMS=3, REVERSED_Q_TILES=True)),
+    # K and V broadcast over the batch (stride 0), GQA, walked by few programs.
+    "kv_broadcast_over_batch_d128": dict(E=128, Hq=8, Hkv=2, L=384, S=500, mask=mods.causal_mask,
+                                         expand_kv=True, options=dict(NUM_PROGRAMS=5)),
 }
 
 
@@ -513,6 +511,8 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
     c = GPU_CASES[case]
     Hq, Hkv = c.get("Hq", 4), c.get("Hkv", 4)
     q, k, v = harness.make_inputs(7, B=2, Hq=Hq, Hkv=Hkv, L=c["L"], S=c["S"], E=c["E"], Ev=c.get("Ev"), dtype=dtype)
+    if c.get("expand_kv"):
+        k, v = k[:1].expand_as(k), v[:1].expand_as(v)
     score_mod = {"alibi": mods.alibi(Hq, device=DEVICE), "softcap": mods.tanh_softcap(30.0),
                  None: lambda score, b, h, q_idx, kv_idx: score}[c.get("score")]
     block_mask = create_block_mask(c.get("mask") or noop_mask, None, None, c["L"], c["S"], device=DEVICE)

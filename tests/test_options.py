@@ -82,9 +82,9 @@ def test_guide_table_is_generated_from_the_registry():
         assert f"| `{name}` |" in text
 
 
-def test_programs_per_head_must_be_positive():
-    assert options.validate({"PROGRAMS_PER_HEAD": 3}) == {"PROGRAMS_PER_HEAD": 3}
-    with pytest.raises(ValueError, match="PROGRAMS_PER_HEAD must be 1 or more, got 0"):
-        options.validate({"PROGRAMS_PER_HEAD": 0})
-    with pytest.raises(TypeError, match="PROGRAMS_PER_HEAD"):
-        options.validate({"PROGRAMS_PER_HEAD": 1.5})
+def test_num_programs_must_be_positive():
+    assert options.validate({"NUM_PROGRAMS": 3}) == {"NUM_PROGRAMS": 3}
+    with pytest.raises(ValueError, match="NUM_PROGRAMS must be 1 or more, got 0"):
+        options.validate({"NUM_PROGRAMS": 0})
+    with pytest.raises(TypeError, match="NUM_PROGRAMS"):
+        options.validate({"NUM_PROGRAMS": 1.5})

@@ -27,33 +27,11 @@ TEMPLATE_NAME = "flexattn_gluon_forward"
 
 @SymbolicGridFn
 def gluon_forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv, min):
-    """(programs per head, batch, query heads): each program walks every n-th query tile of
-    one head, at most one program per tile; n is kernel_options PROGRAMS_PER_HEAD where
-    given (meta 0: automatic, `programs_per_head` of the run-time sizes)."""
-    tiles = cdiv(q_len, meta["BLOCK_M"])
-    wanted = meta["PROGRAMS_PER_HEAD"] or programs_per_head(tiles, batch * q_heads, meta["NUM_SMS"])
-    return (min(tiles, wanted), batch, q_heads)
-
-
-def _static(n):
-    """An int for a size known now (an int or a sympy number), else None."""
-    if isinstance(n, int):
-        return n
-    return int(n) if getattr(n, "is_number", False) else None
-
-
-def programs_per_head(tiles, heads, sms: int):
-    """Programs per head: one per SM shared out among the heads (each walking several
-    tiles, the next one's loads overlapping this one's end) where that takes no more waves
-    of tiles than one program per tile does, else one program per tile; one per tile too
-    where the sizes are symbolic (the grid then follows the run-time sizes)."""
-    tiles_now, heads_now = _static(tiles), _static(heads)
-    if tiles_now is None or heads_now is None:
-        return tiles
-    shared = max(1, sms // max(1, heads_now))
-    waves_shared = -(-heads_now * shared // sms) * -(-tiles_now // shared)
-    waves_per_tile = -(-heads_now * tiles_now // sms)
-    return shared if waves_shared <= waves_per_tile else tiles_now
+    """(programs, 1, 1): program p walks query tiles p, p + programs, ... of the launch's
+    batch x heads x cdiv(q_len, BLOCK_M); programs: kernel_options NUM_PROGRAMS where given
+    (meta 0: the GPU's SMs, one program per SM), at most one per tile."""
+    tiles = cdiv(q_len, meta["BLOCK_M"]) * q_heads * batch
+    return (min(tiles, meta["NUM_PROGRAMS"] or meta["NUM_SMS"]), 1, 1)
 
 
 gluon_forward_template = GluonTemplate(
@@ -79,8 +57,8 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         has_score_mod=call.has_score_mod, kernel="forward", reversed_q_tiles_default=False,
     )
     spec["HAS_SINKS"] = sinks is not None
-    # 0: the grid picks the count from the run-time sizes; a constant, so one kernel serves all.
-    spec["PROGRAMS_PER_HEAD"] = _options.read(kernel_options, "PROGRAMS_PER_HEAD", default=0)
+    # 0: one program per SM; a constant either way, so one kernel serves every count.
+    spec["NUM_PROGRAMS"] = _options.read(kernel_options, "NUM_PROGRAMS", default=0)
     spec["NUM_SMS"] = multiprocessor_count(query.get_device())
     # This kernel loads its K and V tiles through descriptors whatever the Triton template's
     # default would be (a constant, so calls on either side of that default share a kernel).
