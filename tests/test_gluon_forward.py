@@ -129,14 +129,18 @@ def test_the_plan_reads_the_calls_work_and_use_tma_off_its_nodes(dynamic, monkey
     assert {i.work for i in seen} == ({None} if dynamic else {B * H * L * S * E}), seen
 
 
-@pytest.mark.parametrize("batch, heads, q_len, programs, expected", [
-    (4, 16, 8192, 0, 132),      # 4096 query tiles: one program per SM
-    (1, 2, 1000, 0, 16),        # 16 tiles: one program each
-    (4, 16, 8192, 5, 5),        # kernel_options NUM_PROGRAMS
-    (1, 1, 300, 7, 3),          # at most one program per tile
+@pytest.mark.parametrize("batch, heads, q_len, programs, paired, expected", [
+    (4, 16, 8192, 0, 1, 132),      # 4096 query tiles in 2048 pairs: one program per SM
+    (1, 2, 1000, 0, 0, 16),        # 16 tiles: one program each
+    (4, 16, 8192, 5, 1, 5),        # kernel_options NUM_PROGRAMS
+    (1, 1, 300, 7, 0, 3),          # at most one program per tile
+    (1, 1, 128 * 265, 0, 1, 132),  # 265 tiles: 133 units (the middle tile alone)
+    (1, 1, 128 * 200, 0, 1, 100),  # 200 tiles in 100 pairs: 100 programs
 ])
-def test_the_grid_launches_one_program_per_sm_at_most_one_per_tile(batch, heads, q_len, programs, expected):
+def test_the_grid_launches_one_program_per_sm_at_most_one_per_unit(batch, heads, q_len, programs, paired, expected):
     meta = {"BLOCK_M": 128, "NUM_PROGRAMS": programs, "NUM_SMS": 132}
+    assert gluon_forward_lowering.paired_q_tiles(batch, heads, q_len, 128, meta) == paired
+    meta["PAIRED_Q_TILES"] = paired
     assert gluon_forward_lowering.gluon_forward_grid(batch, heads, q_len, 128, meta) == (expected, 1, 1)
 
 
@@ -144,9 +148,10 @@ def test_the_grid_follows_symbolic_sizes():
     import sympy
 
     s = sympy.Symbol("s", positive=True, integer=True)
-    grid = gluon_forward_lowering.gluon_forward_grid.sympy_call(2, 8, s, 128,
-                                                                {"BLOCK_M": 128, "NUM_PROGRAMS": 0, "NUM_SMS": 132})
-    assert grid[0].subs(s, 128 * 100) == 132 and grid[0].subs(s, 128 * 3) == 48
+    for paired, small in ((0, 48), (1, 32)):
+        meta = {"BLOCK_M": 128, "NUM_PROGRAMS": 0, "NUM_SMS": 132, "PAIRED_Q_TILES": paired}
+        grid = gluon_forward_lowering.gluon_forward_grid.sympy_call(2, 8, s, 128, meta)
+        assert grid[0].subs(s, 128 * 100) == 132 and grid[0].subs(s, 128 * 3) == small
 
 
 def test_partial_heavy_memory_masks_take_the_triton_template_at_d128():
@@ -300,6 +305,9 @@ OFFLINE_CASES = {
     "document_odd_lengths_d64": dict(E=64, L=200, S=300, mask="document"),
     "causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi"),
     "softcap_sinks_d256": dict(E=256, L=128, S=128, score="softcap", sinks=True),
+    # 16 query tiles on the interpreter's 8 virtual SMs: programs walk pairs of tiles.
+    "paired_tiles_softcap_sinks_d256": dict(E=256, L=256, S=256, score="softcap", sinks=True),
+    "paired_tiles_causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi"),
 }
 
 
