@@ -30,7 +30,7 @@ def gluon_forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv, min):
     """(programs, 1, 1): program p walks units p, p + programs, ... of the launch's
     batch x heads x units of a head (query tiles, in pairs with PAIRED_Q_TILES);
     programs: kernel_options NUM_PROGRAMS where given (meta 0: one per SM), at most one
-    per unit."""
+    per unit (bench/DECISIONS.md#gluon-forward-persistent)."""
     paired = meta["PAIRED_Q_TILES"]
     units = cdiv(cdiv(q_len, meta["BLOCK_M"]), 1 + paired) * q_heads * batch
     return (min(units, programs(meta)), 1, 1)
