@@ -140,6 +140,10 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "warp-specialised Hopper forward; an error where it does not cover the call), TRITON_DECODE "
                  "(the split-KV decode kernel); torch's FLASH backend does not exist here (an error)", "torch",
                  choices=("AUTO", "TRITON", "GLUON", "TRITON_DECODE", "FLASH")),
+    KernelOption("NUM_PROGRAMS", "int", PER_CALL, ("forward",),
+                 "Gluon forward: programs launched, each walking every n-th query tile of the call (query "
+                 "tiles, then heads, then batch); 1 or more, as many as the query tiles or more: one tile per "
+                 "program", default_doc="the GPU's multiprocessors"),
     KernelOption("FORCE_DECODE", "tristate", PER_CALL, _DEC,
                  "True / False: always / never use the split-KV decode kernel",
                  default_doc="decode kernel when the query has at most 64 rows and the keys at least 256"),
@@ -209,6 +213,9 @@ def validate(kernel_options: Any) -> dict[str, Any]:
         raise ValueError(f"flexattn: unknown kernel_options {unknown}; known keys are {sorted(PUBLIC_KEYS)}")
     for name, value in kernel_options.items():
         REGISTRY[name].check(value)
+    programs = kernel_options.get("NUM_PROGRAMS")
+    if programs is not None and programs < 1:
+        raise ValueError(f"flexattn: kernel_options NUM_PROGRAMS must be 1 or more, got {programs}")
     _check_backend(kernel_options)
     return dict(kernel_options)
 

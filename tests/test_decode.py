@@ -41,6 +41,7 @@ from flexattn.block_mask import create_block_mask, noop_mask
 from flexattn.lowering import decode as decode_lowering
 from flexattn.lowering import decode_plan as plan
 from flexattn.lowering.configs import decode as decode_configs
+from flexattn.lowering.configs.base import multiprocessor_count
 from flexattn.options import internal_options
 
 from _generated_code import constexpr
@@ -315,7 +316,7 @@ def test_split_kv_automatic():
     multiprocessors or more run unsplit, in one launch (the host's rule, on the device
     the tests run on)."""
     L, S = 1, scaled(300, 3000)
-    sms = plan.multiprocessor_count(torch.device(DEVICE))
+    sms = multiprocessor_count(torch.device(DEVICE))
     few = max(1, sms // 4)   # (B, KV heads) tiles: B x 1 KV head of 2 query heads
 
     def last_half(b, h, q_idx, kv_idx):   # the query at position S - 1; no per-batch tensor

@@ -24,6 +24,7 @@ from flexattn import mods
 from flexattn._hop import flex_attention_hop
 from flexattn.block_mask import create_block_mask, noop_mask
 from flexattn.lowering import dispatch
+from flexattn.lowering import gluon_forward as gluon_forward_lowering
 from flexattn.lowering.configs import gluon_forward as gluon_configs
 from flexattn.lowering.configs import tma as tma_configs
 from flexattn.lowering.forward_plan import ForwardInputs, ForwardPlan, plan_forward
@@ -126,6 +127,31 @@ def test_the_plan_reads_the_calls_work_and_use_tma_off_its_nodes(dynamic, monkey
                 pass
     assert [i.tma_requested for i in seen[-2:]] == [False, True], seen
     assert {i.work for i in seen} == ({None} if dynamic else {B * H * L * S * E}), seen
+
+
+@pytest.mark.parametrize("batch, heads, q_len, programs, paired, expected", [
+    (4, 16, 8192, 0, 1, 132),      # 4096 query tiles in 2048 pairs: one program per SM
+    (1, 2, 1000, 0, 0, 16),        # 16 tiles: one program each
+    (4, 16, 8192, 5, 1, 5),        # kernel_options NUM_PROGRAMS
+    (1, 1, 300, 7, 0, 3),          # at most one program per tile
+    (1, 1, 128 * 265, 0, 1, 132),  # 265 tiles: 133 units (the middle tile alone)
+    (1, 1, 128 * 200, 0, 1, 100),  # 200 tiles in 100 pairs: 100 programs
+])
+def test_the_grid_launches_one_program_per_sm_at_most_one_per_unit(batch, heads, q_len, programs, paired, expected):
+    meta = {"BLOCK_M": 128, "NUM_PROGRAMS": programs, "NUM_SMS": 132}
+    assert gluon_forward_lowering.paired_q_tiles(batch, heads, q_len, 128, meta) == paired
+    meta["PAIRED_Q_TILES"] = paired
+    assert gluon_forward_lowering.gluon_forward_grid(batch, heads, q_len, 128, meta) == (expected, 1, 1)
+
+
+def test_the_grid_follows_symbolic_sizes():
+    import sympy
+
+    s = sympy.Symbol("s", positive=True, integer=True)
+    for paired, small in ((0, 48), (1, 32)):
+        meta = {"BLOCK_M": 128, "NUM_PROGRAMS": 0, "NUM_SMS": 132, "PAIRED_Q_TILES": paired}
+        grid = gluon_forward_lowering.gluon_forward_grid.sympy_call(2, 8, s, 128, meta)
+        assert grid[0].subs(s, 128 * 100) == 132 and grid[0].subs(s, 128 * 3) == small
 
 
 def test_partial_heavy_memory_masks_take_the_triton_template_at_d128():
@@ -279,6 +305,9 @@ OFFLINE_CASES = {
     "document_odd_lengths_d64": dict(E=64, L=200, S=300, mask="document"),
     "causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi"),
     "softcap_sinks_d256": dict(E=256, L=128, S=128, score="softcap", sinks=True),
+    # 16 query tiles on the interpreter's 8 virtual SMs: programs walk pairs of tiles.
+    "paired_tiles_softcap_sinks_d256": dict(E=256, L=256, S=256, score="softcap", sinks=True),
+    "paired_tiles_causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi"),
 }
 
 
@@ -326,8 +355,8 @@ def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp
 PRODUCER_OPS = [("wait", "k_empty", "stage"), ("expect", "k_ready", "stage"),
                 ("wait", "v_empty", "stage"), ("expect", "v_ready", "stage")]
 CONSUMER_OPS = [("arrive", "turn", "0"),
-                ("wait", "k_ready", "0"), ("wait", "turn", "WARPGROUP"), ("arrive", "turn", "1 - WARPGROUP"),
-                ("arrive", "k_empty", "0"),
+                ("wait", "k_ready", "stage"), ("wait", "turn", "WARPGROUP"), ("arrive", "turn", "1 - WARPGROUP"),
+                ("arrive", "k_empty", "stage"),
                 ("wait", "k_ready", "stage"), ("wait", "v_ready", "last_stage"), ("wait", "turn", "WARPGROUP"),
                 ("arrive", "turn", "1 - WARPGROUP"), ("arrive", "k_empty", "stage"), ("arrive", "v_empty", "last_stage"),
                 ("wait", "v_ready", "last_stage"), ("arrive", "v_empty", "last_stage")]
@@ -340,31 +369,39 @@ def _template_ops(function: str) -> list[tuple]:
             re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", body)]
 
 
-def _programs(tiles: int, stages: int, extra_final_turn: bool = False) -> list[list[tuple]]:
-    """The three partitions' operations for one program of ``tiles`` KV tiles, as
-    ("arrive" | "tma" | "wait", (barrier, slot), phase the wait means); "tma" is an arrival
-    that lands later (the copy engine's completion of an expect)."""
-    producer = []
-    for it in range(tiles):
-        stage, lap = it % stages, it // stages
-        # The first lap waits on a fresh barrier's phase 1, which passes: phase -1 here.
-        producer += [("wait", ("k_empty", stage), lap - 1), ("tma", ("k_ready", stage), None),
-                     ("wait", ("v_empty", stage), lap - 1), ("tma", ("v_ready", stage), None)]
+def _programs(tiles: int | list[int], stages: int, extra_final_turn: bool = False) -> list[list[tuple]]:
+    """The three partitions' operations for one program walking query tiles of ``tiles`` KV
+    tiles each (an int: one query tile), as ("arrive" | "tma" | "wait", (barrier, slot),
+    phase the wait means); "tma" is an arrival that lands later (the copy engine's
+    completion of an expect). The ring's and the turns' counts run on across query tiles."""
+    walks = [tiles] if isinstance(tiles, int) else list(tiles)
+    producer, done = [], 0
+    for count in walks:
+        for g in range(done, done + count):
+            stage, lap = g % stages, g // stages
+            # The first lap waits on a fresh barrier's phase 1, which passes: phase -1 here.
+            producer += [("wait", ("k_empty", stage), lap - 1), ("tma", ("k_ready", stage), None),
+                         ("wait", ("v_empty", stage), lap - 1), ("tma", ("v_ready", stage), None)]
+        done += count
     consumers = []
     for wg in (0, 1):
         ops = [("arrive", ("turn", 0), None)] if wg == 1 else []
-        if tiles:
-            ops += [("wait", ("k_ready", 0), 0), ("wait", ("turn", wg), 0), ("arrive", ("turn", 1 - wg), None),
-                    ("arrive", ("k_empty", 0), None)]
-            for it in range(1, tiles):
-                stage, last = it % stages, (it - 1) % stages
-                ops += [("wait", ("k_ready", stage), it // stages), ("wait", ("v_ready", last), (it - 1) // stages),
-                        ("wait", ("turn", wg), it), ("arrive", ("turn", 1 - wg), None),
-                        ("arrive", ("k_empty", stage), None), ("arrive", ("v_empty", last), None)]
-            last = (tiles - 1) % stages
-            ops += [("wait", ("v_ready", last), (tiles - 1) // stages), ("arrive", ("v_empty", last), None)]
-            if extra_final_turn:
-                ops.append(("arrive", ("turn", 1 - wg), None))
+        done = 0
+        for count in walks:
+            if count:
+                stage = done % stages
+                ops += [("wait", ("k_ready", stage), done // stages), ("wait", ("turn", wg), done),
+                        ("arrive", ("turn", 1 - wg), None), ("arrive", ("k_empty", stage), None)]
+                for g in range(done + 1, done + count):
+                    stage, last = g % stages, (g - 1) % stages
+                    ops += [("wait", ("k_ready", stage), g // stages), ("wait", ("v_ready", last), (g - 1) // stages),
+                            ("wait", ("turn", wg), g), ("arrive", ("turn", 1 - wg), None),
+                            ("arrive", ("k_empty", stage), None), ("arrive", ("v_empty", last), None)]
+                last = (done + count - 1) % stages
+                ops += [("wait", ("v_ready", last), (done + count - 1) // stages), ("arrive", ("v_empty", last), None)]
+            done += count
+        if extra_final_turn and done:
+            ops.append(("arrive", ("turn", 1 - wg), None))
         consumers.append(ops)
     return [producer, *consumers]
 
@@ -414,7 +451,8 @@ def _explore(programs: list[list[tuple]]) -> list[str]:
 #: The phase argument of each wait in the template, in source order: `_programs` models
 #: these (a changed expression fails here before it can mislead the model).
 PRODUCER_WAIT_PHASES = ["phase ^ 1", "phase ^ 1"]
-CONSUMER_WAIT_PHASES = ["0", "0", "phase", "last_phase", "it & 1", "last_phase"]
+CONSUMER_WAIT_PHASES = ["(done // NUM_STAGES) & 1", "done & 1", "phase", "last_phase", "(done + it) & 1",
+                        "last_phase"]
 
 
 def _template_wait_phases(function: str) -> list[str]:
@@ -430,7 +468,7 @@ def test_the_model_has_the_templates_barrier_operations():
 
 
 @pytest.mark.parametrize("stages", sorted({c.num_stages for c in gluon_configs.SM90.values()} | {3}))
-@pytest.mark.parametrize("tiles", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("tiles", [0, 1, 2, 3, 4, [2, 0, 3], [1, 1, 1], [0, 2]])
 def test_no_interleaving_of_the_partitions_hangs(tiles, stages):
     assert _explore(_programs(tiles, stages)) == []
 
@@ -457,6 +495,19 @@ GPU_CASES = {
     "empty_rows_d128": dict(E=128, L=384, S=384, mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
     "cross_q_shorter_d128": dict(E=128, L=100, S=777),
     "value_dim_64_d128": dict(E=128, Ev=64, L=256, S=512, mask=mods.causal_mask),
+    # More query tiles than SMs: each program walks several, across heads and batches.
+    "many_heads_gqa_causal_d128": dict(E=128, Hq=64, Hkv=16, L=640, S=640, mask=mods.causal_mask),
+    "many_heads_empty_rows_d128": dict(E=128, Hq=64, Hkv=64, L=384, S=384,
+                                       mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
+    # One program walks every query tile of the call, odd lengths, a sliding window.
+    "one_program_window_d128": dict(E=128, L=1000, S=1100, mask=mods.sliding_window(300),
+                                    options=dict(NUM_PROGRAMS=1)),
+    # Programs three tiles apart, each head walked from its last tile; rows of the first tile see nothing.
+    "strided_reversed_walk_d128": dict(E=128, L=1000, S=1000, mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi),
+                                       options=dict(NUM_PROGRAMS=3, REVERSED_Q_TILES=True)),
+    # K and V broadcast over the batch (stride 0), GQA, walked by few programs.
+    "kv_broadcast_over_batch_d128": dict(E=128, Hq=8, Hkv=2, L=384, S=500, mask=mods.causal_mask,
+                                         expand_kv=True, options=dict(NUM_PROGRAMS=5)),
 }
 
 
@@ -468,10 +519,12 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
     c = GPU_CASES[case]
     Hq, Hkv = c.get("Hq", 4), c.get("Hkv", 4)
     q, k, v = harness.make_inputs(7, B=2, Hq=Hq, Hkv=Hkv, L=c["L"], S=c["S"], E=c["E"], Ev=c.get("Ev"), dtype=dtype)
+    if c.get("expand_kv"):
+        k, v = k[:1].expand_as(k), v[:1].expand_as(v)
     score_mod = {"alibi": mods.alibi(Hq, device=DEVICE), "softcap": mods.tanh_softcap(30.0),
                  None: lambda score, b, h, q_idx, kv_idx: score}[c.get("score")]
     block_mask = create_block_mask(c.get("mask") or noop_mask, None, None, c["L"], c["S"], device=DEVICE)
-    options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND=backend)
+    options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND=backend, **c.get("options", {}))
     scale = c["E"] ** -0.5
     bm = block_mask.as_tuple()
     golden, ref = harness.reference_runs(harness.dense_reference(score_mod, bm, scale, options), (q, k, v))

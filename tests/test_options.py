@@ -80,3 +80,11 @@ def test_guide_table_is_generated_from_the_registry():
     assert kernel_options_table.render(text) == text, "run python3 scripts/kernel_options_table.py"
     for name in options.PUBLIC_KEYS:
         assert f"| `{name}` |" in text
+
+
+def test_num_programs_must_be_positive():
+    assert options.validate({"NUM_PROGRAMS": 3}) == {"NUM_PROGRAMS": 3}
+    with pytest.raises(ValueError, match="NUM_PROGRAMS must be 1 or more, got 0"):
+        options.validate({"NUM_PROGRAMS": 0})
+    with pytest.raises(TypeError, match="NUM_PROGRAMS"):
+        options.validate({"NUM_PROGRAMS": 1.5})

@@ -32,9 +32,9 @@ from .. import _compat
 from ..numerics import stats_dtype
 from ..templates import kernel_source
 from . import common
-from .configs.base import gpu_generation, shared_memory_limit
+from .configs.base import gpu_generation, multiprocessor_count, shared_memory_limit
 from .configs.decode import REVERSED_Q_TILES
-from .decode_plan import MERGE_ROWS, DecodeInputs, DecodePlan, multiprocessor_count, next_power_of_two, plan_decode
+from .decode_plan import MERGE_ROWS, DecodeInputs, DecodePlan, next_power_of_two, plan_decode
 
 DECODE_TEMPLATE_NAME = "flexattn_decode"
 MERGE_TEMPLATE_NAME = "flexattn_decode_merge"

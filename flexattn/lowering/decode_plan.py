@@ -66,9 +66,6 @@ MIN_STEPS_PER_SPLIT = 2
 MAX_SPLIT_KV = 256
 #: Block indices read per register chunk (bench/DECISIONS.md#decode-list-chunk-default).
 LIST_CHUNK_DEFAULT = 16
-#: Multiprocessors assumed where the device has none to ask (the Triton interpreter):
-#: above the tile count of small test shapes, so those split as on a GPU.
-VIRTUAL_SMS = 8
 #: Rows merged per program in the second pass (at most; fewer for shorter queries).
 MERGE_ROWS = 16
 #: FUSED_MERGE when kernel_options leave it unset (bench/DECISIONS.md#decode-fused-merge-default).
@@ -129,12 +126,6 @@ def packing(group: int, q_len_hint: int, sparse_q: int, mask_varies_over_heads: 
         block_q //= 2
     block_m = max(MIN_TILE, next_power_of_two(heads * block_q))
     return Packing(heads, block_q, block_m)
-
-
-def multiprocessor_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return VIRTUAL_SMS
 
 
 def _pinned_int(kernel_options: Mapping[str, Any], name: str, valid, expected: str) -> int | None:

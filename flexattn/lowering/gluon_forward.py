@@ -3,7 +3,8 @@
 Taken where ``forward_plan.plan_forward`` says so. ``lower_gluon_forward`` prepares the
 call as the Triton forward does (``common.prepare_call``), derives the same constexprs
 on the host plus the Gluon tile (``configs/gluon_forward.py``: the default, and under
-max_autotune a few more), and hands the choices to Inductor; the kernel writes the output and, in place, the log-sum-exp and row maxima.
+max_autotune a few more), and hands the choices to Inductor; the kernel writes the output
+and, in place, the log-sum-exp and row maxima.
 """
 
 from __future__ import annotations
@@ -15,18 +16,35 @@ from torch._inductor import ir
 from torch._inductor.select_algorithm import SymbolicGridFn
 
 from .. import _compat
+from .. import options as _options
 from ..templates import kernel_source
 from . import common
 from .configs import gluon_forward as gluon_configs
+from .configs.base import multiprocessor_count
 from .gluon_template import GluonTemplate
 
 TEMPLATE_NAME = "flexattn_gluon_forward"
 
 
 @SymbolicGridFn
-def gluon_forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv):
-    """(query tiles of BLOCK_M rows, batch, query heads): one program per tile of one head."""
-    return (cdiv(q_len, meta["BLOCK_M"]), batch, q_heads)
+def gluon_forward_grid(batch, q_heads, q_len, qk_head_dim, meta, *, cdiv, min):
+    """(programs, 1, 1): program p walks units p, p + programs, ... of the launch's
+    batch x heads x units of a head (query tiles, in pairs with PAIRED_Q_TILES);
+    programs: kernel_options NUM_PROGRAMS where given (meta 0: one per SM), at most one
+    per unit (bench/DECISIONS.md#gluon-forward-persistent)."""
+    paired = meta["PAIRED_Q_TILES"]
+    units = cdiv(cdiv(q_len, meta["BLOCK_M"]), 1 + paired) * q_heads * batch
+    return (min(units, programs(meta)), 1, 1)
+
+
+def programs(meta) -> int:
+    """The programs a launch wants: kernel_options NUM_PROGRAMS, or one per SM."""
+    return meta["NUM_PROGRAMS"] or meta["NUM_SMS"]
+
+
+def paired_q_tiles(batch: int, q_heads: int, q_len: int, block_m: int, meta) -> int:
+    """PAIRED_Q_TILES: 1 where the query tiles outnumber the programs (at the size hints)."""
+    return int(-(-q_len // block_m) * q_heads * batch > programs(meta))
 
 
 gluon_forward_template = GluonTemplate(
@@ -52,6 +70,10 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         has_score_mod=call.has_score_mod, kernel="forward", reversed_q_tiles_default=False,
     )
     spec["HAS_SINKS"] = sinks is not None
+    # 0: one program per SM; a constant either way, so one kernel serves every count.
+    spec["NUM_PROGRAMS"] = _options.read(kernel_options, "NUM_PROGRAMS", default=0)
+    spec["NUM_SMS"] = multiprocessor_count(query.get_device())
+    B, H, L = (common.hint(n) for n in query.get_size()[:3])
     # This kernel loads its K and V tiles through descriptors whatever the Triton template's
     # default would be (a constant, so calls on either side of that default share a kernel).
     spec["USE_TMA"] = True
@@ -65,6 +87,7 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         lambda c: {**spec,
                    "IS_DIVISIBLE_M": common.divisible(query.get_size()[2], c.block_m),
                    "IS_DIVISIBLE_N": common.divisible(key.get_size()[2], call.sparse_kv),
+                   "PAIRED_Q_TILES": paired_q_tiles(B, H, L, c.block_m, spec),
                    **c.constexprs()},
         call, inputs, layout, lse, row_max)
 

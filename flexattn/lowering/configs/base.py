@@ -64,6 +64,18 @@ class TileConfig:
         return pinned
 
 
+#: Multiprocessors assumed where the device has none to ask (the Triton interpreter):
+#: above the tile count of small test shapes, so those split as on a GPU.
+VIRTUAL_SMS = 8
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """The device's SMs, or VIRTUAL_SMS where it has none to ask."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return VIRTUAL_SMS
+
+
 def gpu_generation(device: torch.device) -> str:
     """The table a device reads: "sm90" (Hopper and newer), "sm80" (Ampere, Ada) or
     "generic" (any other device, CPU tensors in the Triton interpreter included)."""

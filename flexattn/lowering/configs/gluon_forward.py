@@ -22,10 +22,11 @@ class GluonForwardConfig(TileConfig):
     block_m: int
     block_n: int
     num_stages: int
-    #: Registers per thread of the one-warp TMA producer and of each consumer warpgroup:
-    #: 24 + 2 x 240 (x 128 threads) fill the register file with one program per SM.
-    load_regs: int = 24
-    mma_regs: int = 240
+    #: Registers per thread of the one-warp TMA producer and of the worker consumer
+    #: warpgroup; the default warpgroup takes the rest of the launch's 504 per thread:
+    #: 32 + 232 + 240 (the producer walks each query tile's block lists: 24 spilled there).
+    load_regs: int = 32
+    mma_regs: int = 232
     #: The default partition: one consumer warpgroup (the other is a worker partition).
     num_warps: int = 4
 
