@@ -130,9 +130,9 @@ OPTIONS: tuple[KernelOption, ...] = (
                              "[small forward calls](../bench/DECISIONS.md#tma-small-forward-calls), "
                              "[backward programs](../bench/DECISIONS.md#tma-backward-programs))"),
     KernelOption("REVERSED_Q_TILES", "tristate", PER_CALL, ("forward", "backward"),
-                 "start the query tiles from the last one (the forward: every head's last tile before any "
-                 "head's second-to-last; the backward's dQ programs: within each head), so the longest rows "
-                 "of causal-like masks start first (no numerical effect)",
+                 "start the query tiles from the last one (the Triton forward: every head's last tile before "
+                 "any head's second-to-last; the Gluon forward and the backward's dQ programs: within each "
+                 "head), so the longest rows of causal-like masks start first (no numerical effect)",
                  default_doc="backward on, forward off "
                              "([decisions](../bench/DECISIONS.md#forward-reversed-q-tiles-default))"),
     KernelOption("BACKEND", "str", "AUTO", ("forward", "decode"),

@@ -307,7 +307,9 @@ OFFLINE_CASES = {
     "softcap_sinks_d256": dict(E=256, L=128, S=128, score="softcap", sinks=True),
     # 16 query tiles on the interpreter's 8 virtual SMs: programs walk pairs of tiles.
     "paired_tiles_softcap_sinks_d256": dict(E=256, L=256, S=256, score="softcap", sinks=True),
-    "paired_tiles_causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi"),
+    # 64-bit indexing (Inductor picks it for buffers of 2**31 elements or more): the copy
+    # engine's coordinates stay 32-bit.
+    "int64_indexing_causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi", int64=True),
 }
 
 
@@ -332,11 +334,17 @@ def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp
     if c.get("sinks"):
         kwargs["sinks"] = harness.randn(gen, H)
 
+    if c.get("int64"):
+        from torch._inductor.codegen.triton import TritonScheduling
+        monkeypatch.setattr(TritonScheduling, "can_use_32bit_indexing", staticmethod(lambda *args, **kwargs: False))
+
     def run():
         torch.compile(flexattn.flex_attention)(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
 
     sources = _rendered_gluon_sources(monkeypatch, tmp_path, run)
     assert sources, "no Gluon kernel was rendered"
+    if c.get("int64"):
+        assert all(re.search(r"INDEX_DTYPE\s*:\s*\w+\.constexpr\s*=\s*\w+\.int64", open(s).read()) for s in sources)
     reports = _compile_offline_for_sm90(sources)
     assert len(reports) == len(sources)
     for report in reports:
@@ -507,7 +515,10 @@ GPU_CASES = {
                                        options=dict(NUM_PROGRAMS=3, REVERSED_Q_TILES=True)),
     # K and V broadcast over the batch (stride 0), GQA, walked by few programs.
     "kv_broadcast_over_batch_d128": dict(E=128, Hq=8, Hkv=2, L=384, S=500, mask=mods.causal_mask,
-                                         expand_kv=True, options=dict(NUM_PROGRAMS=5)),
+                                         expand_kv="batch", options=dict(NUM_PROGRAMS=5)),
+    # K and V broadcast over the heads (stride 0 along the head dim).
+    "kv_broadcast_over_heads_d128": dict(E=128, L=640, S=640, mask=mods.causal_mask, expand_kv="heads",
+                                         options=dict(NUM_PROGRAMS=7)),
 }
 
 
@@ -519,8 +530,10 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
     c = GPU_CASES[case]
     Hq, Hkv = c.get("Hq", 4), c.get("Hkv", 4)
     q, k, v = harness.make_inputs(7, B=2, Hq=Hq, Hkv=Hkv, L=c["L"], S=c["S"], E=c["E"], Ev=c.get("Ev"), dtype=dtype)
-    if c.get("expand_kv"):
+    if c.get("expand_kv") == "batch":
         k, v = k[:1].expand_as(k), v[:1].expand_as(v)
+    elif c.get("expand_kv") == "heads":
+        k, v = k[:, :1].expand_as(k), v[:, :1].expand_as(v)
     score_mod = {"alibi": mods.alibi(Hq, device=DEVICE), "softcap": mods.tanh_softcap(30.0),
                  None: lambda score, b, h, q_idx, kv_idx: score}[c.get("score")]
     block_mask = create_block_mask(c.get("mask") or noop_mask, None, None, c["L"], c["S"], device=DEVICE)
@@ -535,6 +548,29 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
         return flex_attention_hop(q, k, v, score_mod, bm, scale, options, (), ())
 
     harness.check_attention(compiled(q, k, v), ref, golden, dtype)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")
+def test_a_dynamic_graph_walks_several_single_tiles_per_program():
+    """Compiled for dynamic sizes first at 128 query tiles (no more than the SMs: the size
+    hints leave PAIRED_Q_TILES 0), then called at 512: each program walks four single
+    tiles, which no static call does (more tiles than SMs pair them)."""
+    torch._dynamo.reset()
+    options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND="GLUON")
+    scale = 128 ** -0.5
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def compiled(q, k, v, bm):
+        return flex_attention_hop(q, k, v, score_mod, bm, scale, options, (), ())
+
+    for L in (256, 1024):
+        q, k, v = harness.make_inputs(L, B=4, Hq=16, L=L, S=L, E=128, dtype=torch.bfloat16)
+        bm = create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE).as_tuple()
+        golden, ref = harness.reference_runs(harness.dense_reference(score_mod, bm, scale, options), (q, k, v))
+        harness.check_attention(compiled(q, k, v, bm), ref, golden, torch.bfloat16, prefix=f"L={L} ")
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")

@@ -11,7 +11,9 @@ differ, and ``GluonTemplate`` owns them:
   on tensors that here carry layouts. Nearly all of it is valid Gluon as it stands; the
   exception is the ``tl.full([1, ...], value, dtype)`` Inductor writes for typed
   constants, which Gluon refuses (it needs a layout, and it broadcasts only between equal
-  ranks). ``gluon_compatible`` makes those typed scalars, which broadcast to any tile;
+  ranks). ``gluon_compatible`` makes those typed scalars, which broadcast to any tile, and
+  ``GluonTemplateKernel.size`` does the same for the ``tl.full([], n, dtype=INDEX_DTYPE)``
+  some torch releases write for sizes under 64-bit indexing;
 * Inductor's autotuner compiles every kernel as Triton-language source; the rendered
   module calls ``_compat.compile_gluon_kernels_as_gluon`` so that Gluon functions are
   compiled as Gluon (in compile workers too).
@@ -42,6 +44,13 @@ class GluonTemplateKernel(TritonTemplateKernel):
         if "@triton.jit" not in lines:
             raise RuntimeError("flexattn: Inductor's template header changed; the Gluon kernel cannot be declared")
         return lines.replace("@triton.jit", "@gluon.jit")
+
+    def size(self, name, index) -> str:
+        text = super().size(name, index)
+        prefix, suffix = "tl.full([], ", ", dtype=INDEX_DTYPE)"
+        if text.startswith(prefix) and text.endswith(suffix):
+            return f"tl.cast({text[len(prefix):-len(suffix)]}, INDEX_DTYPE)"
+        return text
 
     def modification(self, *args, **kwargs) -> str:
         return gluon_compatible(super().modification(*args, **kwargs))
