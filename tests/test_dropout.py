@@ -140,6 +140,30 @@ def _check_against_the_reference(dtype, compiled, kernel_options):
     assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / visible.sum().item())
 
 
+def test_a_seed_sliced_from_a_stack_is_read_at_its_offset():
+    """The operator called with a seed that is a view into a stack of seeds (one per layer,
+    say) draws the same keep mask as with a copy of that seed: the kernels read the seed
+    through the argument's view, not its storage's start."""
+    from flexattn import options as _options
+    from flexattn._hop import flex_attention_hop
+
+    B, H, L, E = 1, 2, scaled(40, 200), 16
+    q, k, v = harness.make_inputs(5, B=B, Hq=H, L=L, S=L, E=E, dtype=DTYPES[0])
+    seeds = torch.tensor([[1, 2], [7, 9], [123, 4]], dtype=torch.int64, device=DEVICE)
+    bm = create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE).as_tuple()
+    options = {**_options.internal_options(DROPOUT_P=0.5), "OUTPUT_LOGSUMEXP": True}
+
+    def attend(q, k, v, seed):
+        return flex_attention_hop(q, k, v, _identity, bm, E ** -0.5, options, (), (), None, seed)[0]
+
+    # Sliced inside the graph: the seed reaches the kernel as a view with an offset.
+    out_view = torch.compile(lambda q, k, v, seeds: attend(q, k, v, seeds[1]), fullgraph=True)(q, k, v, seeds)
+    out_copy = torch.compile(attend, fullgraph=True)(q, k, v, seeds[1].clone())
+    out_other = torch.compile(attend, fullgraph=True)(q, k, v, seeds[0].clone())
+    torch.testing.assert_close(out_view, out_copy, atol=0, rtol=0)
+    assert not torch.equal(out_view, out_other)
+
+
 def test_seeds_repeat_and_calls_differ():
     """torch.manual_seed repeats a call's output and gradients bitwise, eager API and
     compiled; two consecutive calls draw different masks."""
