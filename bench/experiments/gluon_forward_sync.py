@@ -22,6 +22,8 @@ variant's largest difference from base's output.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import re
 import sys
@@ -52,8 +54,10 @@ def _expect_arrivals(text: str) -> str:
 def variant_source(name: str, text: str) -> str:
     """The template's text for variant ``name`` (``file:PATH``: the kernel source saved in PATH,
     e.g. another revision's ``kernel_source("gluon_forward")``; ``opt:KEY=VALUE``: the
-    template as it is, the call with kernel_options KEY=VALUE)."""
-    if name == "base" or name.startswith("opt:"):
+    template as it is, the call with kernel_options KEY=VALUE; ``cfg:FIELD=VALUE``: the
+    template as it is, every head dim's default config with FIELD (a GluonForwardConfig
+    field, e.g. num_stages) set to VALUE)."""
+    if name == "base" or name.startswith(("opt:", "cfg:")):
         return text
     if name.startswith("file:"):
         with open(name[len("file:"):]) as f:
@@ -116,6 +120,22 @@ def mask_mod(kind, S):
             "document8": lambda: mods.document_mask(document_ids(S, 8, "cuda"))}[kind]()
 
 
+@contextlib.contextmanager
+def variant_configs(name: str):
+    """For a ``cfg:FIELD=VALUE`` variant, the default configs changed while its call compiles."""
+    from flexattn.lowering.configs import gluon_forward as gluon_configs
+    if not name.startswith("cfg:"):
+        yield
+        return
+    field, value = name[len("cfg:"):].split("=", 1)
+    saved = dict(gluon_configs.SM90)
+    gluon_configs.SM90.update({d: dataclasses.replace(c, **{field: int(value)}) for d, c in saved.items()})
+    try:
+        yield
+    finally:
+        gluon_configs.SM90.update(saved)
+
+
 def variant_options(name: str) -> dict:
     """The call's kernel_options for variant ``name``."""
     options = {"BACKEND": "GLUON"}
@@ -174,7 +194,8 @@ def main() -> None:
             install(name, text)
             fn = compiled_call(re.sub(r"\W", "_", f"{name}_{case}"), variant_options(name))
             try:
-                outs[name] = fn(q, k, v, block_mask)
+                with variant_configs(name):
+                    outs[name] = fn(q, k, v, block_mask)
                 torch.cuda.synchronize()
                 fns[name] = fn
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is a reading
