@@ -516,6 +516,8 @@ GPU_CASES = {
     # K and V broadcast over the batch (stride 0), GQA, walked by few programs.
     "kv_broadcast_over_batch_d128": dict(E=128, Hq=8, Hkv=2, L=384, S=500, mask=mods.causal_mask,
                                          expand_kv="batch", options=dict(NUM_PROGRAMS=5)),
+    # Q broadcast over the batch and the heads (stride 0), walked by few programs.
+    "q_broadcast_d128": dict(E=128, L=640, S=640, mask=mods.causal_mask, expand_q=True, options=dict(NUM_PROGRAMS=3)),
     # K and V broadcast over the heads (stride 0 along the head dim).
     "kv_broadcast_over_heads_d128": dict(E=128, L=640, S=640, mask=mods.causal_mask, expand_kv="heads",
                                          options=dict(NUM_PROGRAMS=7)),
@@ -534,6 +536,8 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
         k, v = k[:1].expand_as(k), v[:1].expand_as(v)
     elif c.get("expand_kv") == "heads":
         k, v = k[:, :1].expand_as(k), v[:, :1].expand_as(v)
+    if c.get("expand_q"):
+        q = q[:1, :1].expand_as(q)
     score_mod = {"alibi": mods.alibi(Hq, device=DEVICE), "softcap": mods.tanh_softcap(30.0),
                  None: lambda score, b, h, q_idx, kv_idx: score}[c.get("score")]
     block_mask = create_block_mask(c.get("mask") or noop_mask, None, None, c["L"], c["S"], device=DEVICE)
