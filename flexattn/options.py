@@ -141,9 +141,10 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "(the split-KV decode kernel); torch's FLASH backend does not exist here (an error)", "torch",
                  choices=("AUTO", "TRITON", "GLUON", "TRITON_DECODE", "FLASH")),
     KernelOption("NUM_PROGRAMS", "int", PER_CALL, ("forward",),
-                 "Gluon forward: programs launched, each walking every n-th query tile of the call (query "
-                 "tiles, then heads, then batch); 1 or more, as many as the query tiles or more: one tile per "
-                 "program", default_doc="the GPU's multiprocessors"),
+                 "Gluon forward: programs launched, each walking every n-th unit of the call (one query "
+                 "tile, or tiles i and n-1-i where the tiles outnumber the programs; units of a head, then "
+                 "heads, then batch); 1 or more, as many as the query tiles or more: one tile per program",
+                 default_doc="the GPU's multiprocessors"),
     KernelOption("FORCE_DECODE", "tristate", PER_CALL, _DEC,
                  "True / False: always / never use the split-KV decode kernel",
                  default_doc="decode kernel when the query has at most 64 rows and the keys at least 256"),

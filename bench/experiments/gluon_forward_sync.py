@@ -1,6 +1,6 @@
 """Does the Gluon forward lose time to the warpgroup barriers Triton puts around its mbarrier arrivals?
 
-    PYTHONPATH=. python bench/experiments/gluon_forward_sync.py [--variants base,expect,noturn,named]
+    PYTHONPATH=. python bench/experiments/gluon_forward_sync.py --variants base,file:PATH,opt:KEY=VALUE,cfg:FIELD=VALUE
     PYTHONPATH=. python bench/experiments/gluon_forward_sync.py --offline OUT_DIR   # CPU: render only
 
 Triton 3.6's shared-memory barrier analysis puts a `bar.sync` of the warpgroup before each
@@ -14,7 +14,14 @@ process on the issue #48 shapes:
   expects no bytes), which the analysis lets pass without a barrier;
 - noturn: as expect, without the turns between the two consumer warpgroups;
 - named: as expect, the turns through hardware named barriers (`bar.sync` / `bar.arrive` of
-  both warpgroups' 256 threads, as FlashAttention-3 does), which no warp can overtake.
+  both warpgroups' 256 threads, as FlashAttention-3 does), which no warp can overtake;
+- file:PATH: another kernel source (e.g. a branch's ``kernel_source("gluon_forward")``);
+- opt:KEY=VALUE: the template as it is, the call with kernel_options KEY=VALUE (JSON);
+- cfg:FIELD=VALUE: the template as it is, every head dim's default config with FIELD set.
+
+expect, noturn and named rewrite the text of the one-tile-per-program template they were
+written for (63816cf's: ``--variants file:...`` of its source, then theirs); on another
+text their rewrites do not apply and they stop with an AssertionError.
 
 Prints one JSON line per case: TFLOP/s per variant (median of rounds in turn) and each
 variant's largest difference from base's output.
@@ -159,7 +166,7 @@ def compiled_call(tag: str, options: dict):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", default="base,expect,noturn,named")
+    parser.add_argument("--variants", default="base")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--offline", metavar="OUT_DIR", help="write each variant's template text and stop")

@@ -70,7 +70,8 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
         has_score_mod=call.has_score_mod, kernel="forward", reversed_q_tiles_default=False,
     )
     spec["HAS_SINKS"] = sinks is not None
-    # 0: one program per SM; a constant either way, so one kernel serves every count.
+    # 0: one program per SM; the grid reads the count and the kernel gl.num_programs, so
+    # one kernel serves every run-time size.
     spec["NUM_PROGRAMS"] = _options.read(kernel_options, "NUM_PROGRAMS", default=0)
     spec["NUM_SMS"] = multiprocessor_count(query.get_device())
     B, H, L = (common.hint(n) for n in query.get_size()[:3])

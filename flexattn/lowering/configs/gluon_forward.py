@@ -24,7 +24,7 @@ class GluonForwardConfig(TileConfig):
     num_stages: int
     #: Registers per thread of the one-warp TMA producer and of the worker consumer
     #: warpgroup; the default warpgroup takes the rest of the launch's 504 per thread:
-    #: 32 + 232 + 240 (the producer walks each query tile's block lists: 24 spilled there).
+    #: 32 + 232 + 240 (the producer walks each query tile's block lists: at 24 it spills).
     load_regs: int = 32
     mma_regs: int = 232
     #: The default partition: one consumer warpgroup (the other is a worker partition).
