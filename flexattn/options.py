@@ -49,6 +49,8 @@ class KernelOption:
     default_doc: str = ""
     #: The values a "str" key takes (ValueError for another).
     choices: tuple[str, ...] = ()
+    #: The least value an "int" key takes (ValueError below it).
+    minimum: int | None = None
 
     def check(self, value: Any) -> None:
         """Raise TypeError when ``value`` is not of this key's kind."""
@@ -67,6 +69,8 @@ class KernelOption:
             raise TypeError(f"flexattn: kernel_options {self.name} must be {expected}, got {value!r}")
         if self.choices and value not in self.choices:
             raise ValueError(f"flexattn: kernel_options {self.name} must be one of {self.choices}, got {value!r}")
+        if self.minimum is not None and value is not None and value < self.minimum:
+            raise ValueError(f"flexattn: kernel_options {self.name} must be {self.minimum} or more, got {value!r}")
 
 
 def _tiles(names: tuple[str, ...], readers: tuple[str, ...], doc: str, origin: str = "torch") -> list[KernelOption]:
@@ -144,7 +148,7 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "Gluon forward: programs launched, each walking every n-th unit of the call (one query "
                  "tile, or tiles i and n-1-i where the tiles outnumber the programs; units of a head, then "
                  "heads, then batch); 1 or more, as many as the query tiles or more: one tile per program",
-                 default_doc="the GPU's multiprocessors"),
+                 default_doc="the GPU's multiprocessors", minimum=1),
     KernelOption("FORCE_DECODE", "tristate", PER_CALL, _DEC,
                  "True / False: always / never use the split-KV decode kernel",
                  default_doc="decode kernel when the query has at most 64 rows and the keys at least 256"),
@@ -214,9 +218,6 @@ def validate(kernel_options: Any) -> dict[str, Any]:
         raise ValueError(f"flexattn: unknown kernel_options {unknown}; known keys are {sorted(PUBLIC_KEYS)}")
     for name, value in kernel_options.items():
         REGISTRY[name].check(value)
-    programs = kernel_options.get("NUM_PROGRAMS")
-    if programs is not None and programs < 1:
-        raise ValueError(f"flexattn: kernel_options NUM_PROGRAMS must be 1 or more, got {programs}")
     _check_backend(kernel_options)
     return dict(kernel_options)
 
