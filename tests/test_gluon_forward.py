@@ -87,6 +87,20 @@ def test_head_dim_64_takes_the_triton_template_unless_gluon_is_asked_for():
     assert plan_forward(dataclasses.replace(d64, backend="GLUON")).kernel == "gluon"
 
 
+def test_calls_without_a_block_mask_at_d64_take_three_consumer_warpgroups():
+    """Without a block mask (flex_attention's own default) the 192-row tile need not divide
+    a BlockMask's 128-row query blocks; with one, or where the value head dim differs, D=64
+    keeps two warpgroups."""
+    dense = gluon_configs.config_for(64, 64, 2, dense=True)
+    assert (dense.block_m, dense.constexprs()["CONSUMERS"]) == (192, 3)
+    assert gluon_configs.config_for(64, 64, 2).block_m == 128
+    assert gluon_configs.config_for(64, 128, 2, dense=True).block_m == 128
+    assert gluon_configs.config_for(128, 128, 2, dense=True).constexprs()["CONSUMERS"] == 2
+    d64 = dataclasses.replace(HOPPER_CALL, qk_head_dim=64, v_head_dim=64, sparse_q=128, backend="GLUON")
+    assert plan_forward(dataclasses.replace(d64, dense=True)).kernel == "gluon"
+    assert plan_forward(d64).kernel == "gluon"
+
+
 def test_small_calls_take_the_triton_template_unless_descriptors_are_asked_for():
     """Below TMA_MIN_FORWARD_WORK the template with pointer loads runs the call (Inductor's
     static launcher); at it, with USE_TMA=True, BACKEND='GLUON' or an unknown size, Gluon."""
@@ -310,6 +324,10 @@ OFFLINE_CASES = {
     # 64-bit indexing (Inductor picks it for buffers of 2**31 elements or more): the copy
     # engine's coordinates stay 32-bit.
     "int64_indexing_causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi", int64=True),
+    # No block mask at D=64: three consumer warpgroups of 64 rows, 160 registers each.
+    "no_mask_three_warpgroups_d64": dict(E=64, L=200, S=300),
+    "alibi_three_warpgroups_d64": dict(E=64, L=400, S=400, score="alibi"),
+    "softcap_sinks_three_warpgroups_d64": dict(E=64, L=256, S=256, score="softcap", sinks=True),
 }
 
 
@@ -349,9 +367,10 @@ def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp
     assert len(reports) == len(sources)
     for report in reports:
         assert report["setmaxnreg"], "the partitions' register budgets were not applied"
-        assert report["num_warps"] == 12  # two consumer warpgroups and the producer's
+        # The consumer warpgroups and the producer's (its one warp takes a warpgroup's registers).
+        assert report["num_warps"] == (16 if "three_warpgroups" in case else 12)
         assert report["shared"] <= gluon_configs.SMEM_LIMIT
-        assert report["ptxas_read"] and report["spills"] == 0, "registers spill to local memory"
+        assert report["ptxas_read"] and report["spills"] == 0, f"registers spill to local memory: {report}"
 
 
 # --------------------------------------------------------------------------------------
@@ -363,12 +382,15 @@ def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp
 PRODUCER_OPS = [("wait", "k_empty", "stage"), ("expect", "k_ready", "stage"),
                 ("wait", "v_empty", "stage"), ("expect", "v_ready", "stage")]
 CONSUMER_OPS = [("arrive", "turn", "0"),
-                ("wait", "k_ready", "stage"), ("wait", "turn", "WARPGROUP"), ("arrive", "turn", "1 - WARPGROUP"),
+                ("wait", "k_ready", "stage"), ("wait", "turn", "WARPGROUP"), ("arrive", "turn", "NEXT_WARPGROUP"),
                 ("arrive", "k_empty", "stage"),
                 ("wait", "k_ready", "stage"), ("wait", "v_ready", "last_stage"), ("wait", "turn", "WARPGROUP"),
-                ("arrive", "turn", "1 - WARPGROUP"), ("arrive", "k_empty", "stage"), ("arrive", "v_empty", "last_stage"),
+                ("arrive", "turn", "NEXT_WARPGROUP"), ("arrive", "k_empty", "stage"), ("arrive", "v_empty", "last_stage"),
                 ("wait", "v_ready", "last_stage"), ("arrive", "v_empty", "last_stage")]
-BARRIER_COUNTS = {"k_ready": 1, "v_ready": 1, "k_empty": 2, "v_empty": 2, "turn": 1}
+
+
+def _barrier_counts(consumers: int) -> dict[str, int]:
+    return {"k_ready": 1, "v_ready": 1, "k_empty": consumers, "v_empty": consumers, "turn": 1}
 
 
 def _template_ops(function: str) -> list[tuple]:
@@ -377,9 +399,10 @@ def _template_ops(function: str) -> list[tuple]:
             re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", body)]
 
 
-def _programs(tiles: int | list[int], stages: int, extra_final_turn: bool = False) -> list[list[tuple]]:
-    """The three partitions' operations for one program walking query tiles of ``tiles`` KV
-    tiles each (an int: one query tile), as ("arrive" | "tma" | "wait", (barrier, slot),
+def _programs(tiles: int | list[int], stages: int, extra_final_turn: bool = False,
+              consumers: int = 2) -> list[list[tuple]]:
+    """The partitions' operations (the producer's, then each of ``consumers`` warpgroups')
+    for one program walking query tiles of ``tiles`` KV tiles each (an int: one query tile), as ("arrive" | "tma" | "wait", (barrier, slot),
     phase the wait means); "tma" is an arrival that lands later (the copy engine's
     completion of an expect). The ring's and the turns' counts run on across query tiles."""
     walks = [tiles] if isinstance(tiles, int) else list(tiles)
@@ -391,27 +414,28 @@ def _programs(tiles: int | list[int], stages: int, extra_final_turn: bool = Fals
             producer += [("wait", ("k_empty", stage), lap - 1), ("tma", ("k_ready", stage), None),
                          ("wait", ("v_empty", stage), lap - 1), ("tma", ("v_ready", stage), None)]
         done += count
-    consumers = []
-    for wg in (0, 1):
-        ops = [("arrive", ("turn", 0), None)] if wg == 1 else []
+    partitions = []
+    for wg in range(consumers):
+        following = (wg + 1) % consumers
+        ops = [("arrive", ("turn", 0), None)] if wg == consumers - 1 else []
         done = 0
         for count in walks:
             if count:
                 stage = done % stages
                 ops += [("wait", ("k_ready", stage), done // stages), ("wait", ("turn", wg), done),
-                        ("arrive", ("turn", 1 - wg), None), ("arrive", ("k_empty", stage), None)]
+                        ("arrive", ("turn", following), None), ("arrive", ("k_empty", stage), None)]
                 for g in range(done + 1, done + count):
                     stage, last = g % stages, (g - 1) % stages
                     ops += [("wait", ("k_ready", stage), g // stages), ("wait", ("v_ready", last), (g - 1) // stages),
-                            ("wait", ("turn", wg), g), ("arrive", ("turn", 1 - wg), None),
+                            ("wait", ("turn", wg), g), ("arrive", ("turn", following), None),
                             ("arrive", ("k_empty", stage), None), ("arrive", ("v_empty", last), None)]
                 last = (done + count - 1) % stages
                 ops += [("wait", ("v_ready", last), (done + count - 1) // stages), ("arrive", ("v_empty", last), None)]
             done += count
         if extra_final_turn and done:
-            ops.append(("arrive", ("turn", 1 - wg), None))
-        consumers.append(ops)
-    return [producer, *consumers]
+            ops.append(("arrive", ("turn", following), None))
+        partitions.append(ops)
+    return [producer, *partitions]
 
 
 def _explore(programs: list[list[tuple]]) -> list[str]:
@@ -420,14 +444,15 @@ def _explore(programs: list[list[tuple]]) -> list[str]:
     lap past the phase they meant (a parity wait cannot tell the two apart)."""
     barriers = sorted({op[1] for ops in programs for op in ops})
     slot = {b: i for i, b in enumerate(barriers)}
+    counts = _barrier_counts(len(programs) - 1)
 
     def arrive(state, barrier):
         phases = list(state)
         phase, pending = phases[slot[barrier]]
-        phases[slot[barrier]] = (phase + 1, BARRIER_COUNTS[barrier[0]]) if pending == 1 else (phase, pending - 1)
+        phases[slot[barrier]] = (phase + 1, counts[barrier[0]]) if pending == 1 else (phase, pending - 1)
         return tuple(phases)
 
-    start = (tuple(0 for _ in programs), tuple((0, BARRIER_COUNTS[b[0]]) for b in barriers), ())
+    start = (tuple(0 for _ in programs), tuple((0, counts[b[0]]) for b in barriers), ())
     seen, todo, problems = {start}, [start], []
     while todo and not problems:
         pcs, state, landing = todo.pop()
@@ -481,11 +506,17 @@ def test_no_interleaving_of_the_partitions_hangs(tiles, stages):
     assert _explore(_programs(tiles, stages)) == []
 
 
+@pytest.mark.parametrize("tiles", [0, 1, 2, 3, [2, 0, 2], [1, 1]])
+def test_no_interleaving_of_three_consumer_warpgroups_hangs(tiles):
+    assert _explore(_programs(tiles, 2, consumers=3)) == []
+
+
 def test_the_model_finds_the_hang_of_an_unmatched_turn_arrival():
     """The check can fail: one more turn arrival per warpgroup at the end (the hang two
     benchmark runs met) deadlocks a lagging warpgroup."""
-    problems = _explore(_programs(2, 2, extra_final_turn=True))
-    assert problems and "wait forever" in problems[0]
+    for consumers in (2, 3):
+        problems = _explore(_programs(2, 2, extra_final_turn=True, consumers=consumers))
+        assert problems and "wait forever" in problems[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -521,6 +552,13 @@ GPU_CASES = {
     # K and V broadcast over the heads (stride 0 along the head dim).
     "kv_broadcast_over_heads_d128": dict(E=128, L=640, S=640, mask=mods.causal_mask, expand_kv="heads",
                                          options=dict(NUM_PROGRAMS=7)),
+    # flex_attention's own default mask (dense=True) at D=64: three consumer warpgroups of 64
+    # rows, lengths that are not multiples of their 192, several units per program, one program.
+    "dense_three_warpgroups_d64": dict(E=64, L=1000, S=1000, dense=True),
+    "dense_softcap_odd_three_warpgroups_d64": dict(E=64, L=255, S=300, score="softcap", dense=True),
+    "dense_alibi_gqa_three_warpgroups_d64": dict(E=64, Hq=8, Hkv=2, L=640, S=700, score="alibi", dense=True),
+    "dense_many_heads_three_warpgroups_d64": dict(E=64, Hq=64, Hkv=16, L=500, S=500, dense=True),
+    "dense_one_program_three_warpgroups_d64": dict(E=64, L=777, S=900, dense=True, options=dict(NUM_PROGRAMS=1)),
 }
 
 
@@ -542,6 +580,8 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
                  None: lambda score, b, h, q_idx, kv_idx: score}[c.get("score")]
     block_mask = create_block_mask(c.get("mask") or noop_mask, None, None, c["L"], c["S"], device=DEVICE)
     options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND=backend, **c.get("options", {}))
+    if c.get("dense"):
+        options.update(flexattn.options.internal_options(DEFAULT_MASK=True))
     scale = c["E"] ** -0.5
     bm = block_mask.as_tuple()
     golden, ref = harness.reference_runs(harness.dense_reference(score_mod, bm, scale, options), (q, k, v))

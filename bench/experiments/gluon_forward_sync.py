@@ -17,7 +17,9 @@ process on the issue #48 shapes:
   both warpgroups' 256 threads, as FlashAttention-3 does), which no warp can overtake;
 - file:PATH: another kernel source (e.g. a branch's ``kernel_source("gluon_forward")``);
 - opt:KEY=VALUE: the template as it is, the call with kernel_options KEY=VALUE (JSON);
-- cfg:FIELD=VALUE: the template as it is, every head dim's default config with FIELD set.
+- cfg:FIELD=VALUE: the template as it is, every head dim's default config with FIELD set;
+- nodense: the template as it is, calls without a block mask on the configs of masked calls
+  (two consumer warpgroups at D=64 instead of three).
 
 expect, noturn and named rewrite the text of the one-tile-per-program template they were
 written for (63816cf's: ``--variants file:...`` of its source, then theirs); on another
@@ -64,7 +66,7 @@ def variant_source(name: str, text: str) -> str:
     template as it is, the call with kernel_options KEY=VALUE; ``cfg:FIELD=VALUE``: the
     template as it is, every head dim's default config with FIELD (a GluonForwardConfig
     field, e.g. num_stages) set to VALUE)."""
-    if name == "base" or name.startswith(("opt:", "cfg:")):
+    if name in ("base", "nodense") or name.startswith(("opt:", "cfg:")):
         return text
     if name.startswith("file:"):
         with open(name[len("file:"):]) as f:
@@ -107,7 +109,7 @@ def install(name: str, text: str):
     gluon_forward.gluon_forward_template = _TEMPLATES[name]
 
 
-# name: (B, H, S, D, mask: None, "causal", "window1024" or "document8")
+# name: (B, H, S, D, mask: None, "causal", "window1024" or "document8"[, score_mod: "alibi" or "softcap"])
 CASES = {
     "no_mask_s8192_d128": (4, 16, 8192, 128, None),
     "causal_s8192_d128": (4, 16, 8192, 128, "causal"),
@@ -116,7 +118,16 @@ CASES = {
     "no_mask_s8192_d64": (4, 16, 8192, 64, None),
     "causal_s8192_d64": (4, 16, 8192, 64, "causal"),
     "causal_s4096_d256_b2": (2, 16, 4096, 256, "causal"),
+    "alibi_s8192_d64": (4, 16, 8192, 64, None, "alibi"),
+    "softcap_s8192_d64": (4, 16, 8192, 64, None, "softcap"),
+    "no_mask_s2048_d64": (4, 16, 2048, 64, None),
 }
+
+
+def score_mod(kind, H):
+    from flexattn import mods
+    return None if kind is None else {"alibi": lambda: mods.alibi(H, device="cuda"),
+                                      "softcap": lambda: mods.tanh_softcap(30.0)}[kind]()
 
 
 def mask_mod(kind, S):
@@ -131,6 +142,14 @@ def mask_mod(kind, S):
 def variant_configs(name: str):
     """For a ``cfg:FIELD=VALUE`` variant, the default configs changed while its call compiles."""
     from flexattn.lowering.configs import gluon_forward as gluon_configs
+    if name == "nodense":
+        saved = dict(gluon_configs.DENSE_SM90)
+        gluon_configs.DENSE_SM90.clear()
+        try:
+            yield
+        finally:
+            gluon_configs.DENSE_SM90.update(saved)
+        return
     if not name.startswith("cfg:"):
         yield
         return
@@ -158,8 +177,9 @@ def compiled_call(tag: str, options: dict):
 
     import flexattn
     namespace = {"flexattn": flexattn}
-    source = (f"def forward_{tag}(q, k, v, block_mask):\n"
-              f"    return flexattn.flex_attention(q, k, v, block_mask=block_mask, kernel_options={options!r})\n")
+    source = (f"def forward_{tag}(q, k, v, block_mask, score_mod):\n"
+              f"    return flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
+              f"                                   kernel_options={options!r})\n")
     exec(compile(source, f"<gluon_forward_sync {tag}>", "exec"), namespace)
     return torch.compile(namespace[f"forward_{tag}"])
 
@@ -192,7 +212,8 @@ def main() -> None:
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": __import__("triton").__version__}), flush=True)
     for case in args.cases.split(","):
-        B, H, S, D, mask = CASES[case]
+        B, H, S, D, mask, *score = CASES[case]
+        mod = score_mod(score[0] if score else None, H)
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
         block_mask = flexattn.create_block_mask(mask_mod(mask, S), None, None, S, S) if mask else None
@@ -202,12 +223,12 @@ def main() -> None:
             fn = compiled_call(re.sub(r"\W", "_", f"{name}_{case}"), variant_options(name))
             try:
                 with variant_configs(name):
-                    outs[name] = fn(q, k, v, block_mask)
+                    outs[name] = fn(q, k, v, block_mask, mod)
                 torch.cuda.synchronize()
                 fns[name] = fn
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is a reading
                 errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
-        ms = medians_in_turn(fns, q, k, v, block_mask, rounds=args.rounds)
+        ms = medians_in_turn(fns, q, k, v, block_mask, mod, rounds=args.rounds)
         flops = 4 * B * H * S * S * D * (0.5 if mask == "causal" else 1.0)
         row = {"case": case, "ms": {n: round(t, 4) for n, t in ms.items()}, "errors": errors}
         if mask in (None, "causal"):

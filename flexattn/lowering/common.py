@@ -455,6 +455,12 @@ def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_d
     return True
 
 
+def dense_kv(kernel_options: dict[str, Any], has_full_blocks: bool) -> bool:
+    """DENSE_KV: flex_attention's own default mask (every block full, in order, in both
+    views), whose kernels walk every position from 0 without reading its tables."""
+    return bool(_options.read_internal(kernel_options, "DEFAULT_MASK")) and has_full_blocks
+
+
 def read_bool_options(kernel_options: dict[str, Any], reversed_q_tiles_default: bool) -> dict[str, bool]:
     """The boolean kernel_options as template flags, defaults filled in;
     ``reversed_q_tiles_default``: the kernel's own default of REVERSED_Q_TILES."""
@@ -502,9 +508,7 @@ def kernel_specialisations(
     }
     spec.update(read_bool_options(kernel_options, reversed_q_tiles_default))
     spec["EXP2_SCALE"] = exp2_scale(spec["SM_SCALE"], has_score_mod, spec["PRESCALE_QK"])
-    # flex_attention's own default mask (every block full, in order, in both views):
-    # the kernels walk every position from 0 without reading its tables (DENSE_KV).
-    spec["DENSE_KV"] = bool(_options.read_internal(kernel_options, "DEFAULT_MASK")) and has_full_blocks
+    spec["DENSE_KV"] = dense_kv(kernel_options, has_full_blocks)
     if spec["DENSE_KV"]:
         spec["BLOCKS_ARE_CONTIGUOUS"] = True
     return spec

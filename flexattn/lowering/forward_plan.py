@@ -56,6 +56,8 @@ class ForwardInputs:
     tma_requested: bool = False
     #: batch x heads x queries x keys x QK head dim (size hints; None: not known).
     work: int | None = None
+    #: No block mask (flex_attention's own default mask): the kernels walk every position.
+    dense: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,10 @@ def _gluon_obstacle(inputs: ForwardInputs) -> str | None:
     if inputs.qk_head_dim not in gluon_configs.SM90 or inputs.v_head_dim not in gluon_configs.SM90:
         return (f"head dims {inputs.qk_head_dim}/{inputs.v_head_dim} (the Gluon kernel takes "
                 f"{sorted(gluon_configs.SM90)})")
-    cfg = gluon_configs.config_for(inputs.qk_head_dim, inputs.v_head_dim, inputs.dtype.itemsize)
+    cfg = gluon_configs.config_for(inputs.qk_head_dim, inputs.v_head_dim, inputs.dtype.itemsize, inputs.dense)
     if cfg is None:
         return f"head dims {inputs.qk_head_dim}/{inputs.v_head_dim} do not fit shared memory"
-    if inputs.sparse_q % cfg.block_m or inputs.sparse_kv % cfg.block_n:
+    if (not inputs.dense and inputs.sparse_q % cfg.block_m) or inputs.sparse_kv % cfg.block_n:
         return (f"BlockMask block size ({inputs.sparse_q}, {inputs.sparse_kv}) is not a multiple of the "
                 f"Gluon tile ({cfg.block_m}, {cfg.block_n})")
     if inputs.has_dropout:
@@ -180,6 +182,7 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         tma_forbidden=_options.forbids_tma(kernel_options),
         tma_requested=bool(_options.read(kernel_options, "USE_TMA")),
         work=_work(query, key),
+        dense=common.dense_kv(kernel_options, bm.full_kv_num_blocks is not None),
     )
     if plan_forward(inputs).kernel != "gluon":
         # Only a call the Gluon kernel would take has its inputs realized here; the

@@ -79,7 +79,8 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
     # default would be (a constant, so calls on either side of that default share a kernel).
     spec["USE_TMA"] = True
     usable = gluon_configs.candidate_configs(spec["QK_HEAD_DIM"], spec["V_HEAD_DIM"], query.get_dtype().itemsize,
-                                             bool(inductor_config.max_autotune), call.sparse_kv)
+                                             bool(inductor_config.max_autotune), call.sparse_kv,
+                                             dense=spec["DENSE_KV"])
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     lse, row_max = common.forward_outputs(query)
     inputs = common.forward_kernel_inputs(call, lse, row_max, sinks, None)

@@ -1,7 +1,7 @@
 """Tile configurations of the Gluon forward kernel (``templates/gluon_forward.py.jinja``).
 
 A ``GluonForwardConfig`` is one launch shape of the warp-specialised kernel: the query
-tile (two consumer warpgroups of BLOCK_M / 2 rows), the KV step, the depth of the K/V
+tile (consumer warpgroups of 64 rows: two, or three without a block mask at D=64), the KV step, the depth of the K/V
 ring, and the register budgets of the producer and consumer partitions. The table is
 keyed by the QK head dim (the kernel takes 64, 128 and 256); the measurements behind
 each entry: bench/DECISIONS.md#gluon-forward-tiles.
@@ -22,9 +22,10 @@ class GluonForwardConfig(TileConfig):
     block_m: int
     block_n: int
     num_stages: int
-    #: Registers per thread of the one-warp TMA producer and of the worker consumer
-    #: warpgroup; the default warpgroup takes the rest of the launch's 504 per thread:
-    #: 32 + 232 + 240 (the producer walks each query tile's block lists: at 24 it spills).
+    #: Registers per thread of the one-warp TMA producer and of each worker consumer
+    #: warpgroup; the default warpgroup takes the rest of the launch's 128 per thread per
+    #: warpgroup (the producer's counts as one): 32 + 232 + 240 with two consumers (the
+    #: producer walks each query tile's block lists: at 24 it spills), 32 + 160 * 3 with three.
     load_regs: int = 32
     mma_regs: int = 232
     #: The default partition: one consumer warpgroup (the other is a worker partition).
@@ -36,7 +37,7 @@ class GluonForwardConfig(TileConfig):
 
     def constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_STAGES": self.num_stages,
-                "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs}
+                "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs, "CONSUMERS": self.block_m // 64}
 
 
 #: By QK head dim (sm90, 16-bit inputs).
@@ -44,6 +45,14 @@ SM90: dict[int, GluonForwardConfig] = {
     64: GluonForwardConfig(128, 128, 2),
     128: GluonForwardConfig(128, 128, 2),
     256: GluonForwardConfig(128, 64, 2),
+}
+
+#: Calls without a block mask (flex_attention's own default mask, DENSE_KV: the tile need
+#: not divide a BlockMask's query blocks), by QK head dim where the V head dim is the same:
+#: at D=64 a consumer's products are shorter than its softmax, so three warpgroups take
+#: turns (bench/DECISIONS.md#gluon-forward-three-warpgroups).
+DENSE_SM90: dict[int, GluonForwardConfig] = {
+    64: GluonForwardConfig(192, 128, 2, load_regs=32, mma_regs=160),
 }
 
 #: Head dims where flex_attention takes this kernel unless told otherwise: at D=64 the
@@ -76,19 +85,20 @@ def fits(cfg: GluonForwardConfig, qk_head_dim: int, v_head_dim: int, elem_bytes:
     return shared_memory_estimate(cfg, qk_head_dim, v_head_dim, elem_bytes) <= SMEM_LIMIT
 
 
-def config_for(qk_head_dim: int, v_head_dim: int, elem_bytes: int) -> GluonForwardConfig | None:
-    """The call's default configuration, or None where none fits shared memory."""
-    cfg = SM90.get(qk_head_dim)
+def config_for(qk_head_dim: int, v_head_dim: int, elem_bytes: int, dense: bool = False) -> GluonForwardConfig | None:
+    """The call's default configuration (``dense``: a call without a block mask), or None
+    where none fits shared memory."""
+    cfg = (DENSE_SM90.get(qk_head_dim) if dense and qk_head_dim == v_head_dim else None) or SM90.get(qk_head_dim)
     if cfg is None or not fits(cfg, qk_head_dim, v_head_dim, elem_bytes):
         return None
     return cfg
 
 
 def candidate_configs(qk_head_dim: int, v_head_dim: int, elem_bytes: int, max_autotune: bool,
-                      sparse_kv: int) -> list[GluonForwardConfig]:
+                      sparse_kv: int, dense: bool = False) -> list[GluonForwardConfig]:
     """The default, then under max_autotune the other candidates that fit shared memory
     and divide the BlockMask's KV block."""
-    default = config_for(qk_head_dim, v_head_dim, elem_bytes)
+    default = config_for(qk_head_dim, v_head_dim, elem_bytes, dense)
     configs = [default] if default is not None else []
     if max_autotune:
         configs += [c for c in AUTOTUNE_CANDIDATES if c not in configs and sparse_kv % c.block_n == 0
