@@ -158,6 +158,7 @@ def full_suite() -> list[Case]:
         Case("no_mask_s8192_d128", 4, 16, 16, 8192, 128, sdpa_causal=False),
         Case("causal_s8192_d128", 4, 16, 16, 8192, 128, mask_mod=_causal, sdpa_causal=True),
         Case("causal_s8192_d64", 4, 16, 16, 8192, 64, mask_mod=_causal, sdpa_causal=True),
+        Case("no_mask_s8192_d64", 4, 16, 16, 8192, 64, sdpa_causal=False),
         Case("causal_s2048_d128", 4, 16, 16, 2048, 128, mask_mod=_causal, sdpa_causal=True),
         Case("causal_alibi_s8192_d128", 4, 16, 16, 8192, 128, score_mod=_alibi, mask_mod=_causal),
         Case("causal_softcap30_s8192_d128", 4, 16, 16, 8192, 128, score_mod=_softcap_30, mask_mod=_causal),

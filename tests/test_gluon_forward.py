@@ -87,18 +87,24 @@ def test_head_dim_64_takes_the_triton_template_unless_gluon_is_asked_for():
     assert plan_forward(dataclasses.replace(d64, backend="GLUON")).kernel == "gluon"
 
 
-def test_calls_without_a_block_mask_at_d64_take_three_consumer_warpgroups():
-    """Without a block mask (flex_attention's own default) the 192-row tile need not divide
-    a BlockMask's 128-row query blocks; with one, or where the value head dim differs, D=64
-    keeps two warpgroups."""
-    dense = gluon_configs.config_for(64, 64, 2, dense=True)
-    assert (dense.block_m, dense.constexprs()["CONSUMERS"]) == (192, 3)
+def test_unmodified_calls_at_d64_take_three_consumer_warpgroups_by_default():
+    """With neither a block mask (flex_attention's own default) nor a score_mod, D=64 takes
+    the Gluon kernel with three warpgroups (the 192-row tile need not divide a BlockMask's
+    128-row query blocks); with either, or a value head dim that differs, two warpgroups,
+    and the Triton template unless Gluon is asked for."""
+    three = gluon_configs.config_for(64, 64, 2, unmodified=True)
+    assert (three.block_m, three.constexprs()["CONSUMERS"]) == (192, 3)
     assert gluon_configs.config_for(64, 64, 2).block_m == 128
-    assert gluon_configs.config_for(64, 128, 2, dense=True).block_m == 128
-    assert gluon_configs.config_for(128, 128, 2, dense=True).constexprs()["CONSUMERS"] == 2
-    d64 = dataclasses.replace(HOPPER_CALL, qk_head_dim=64, v_head_dim=64, sparse_q=128, backend="GLUON")
-    assert plan_forward(dataclasses.replace(d64, dense=True)).kernel == "gluon"
-    assert plan_forward(d64).kernel == "gluon"
+    assert gluon_configs.config_for(64, 128, 2, unmodified=True).block_m == 128
+    assert gluon_configs.config_for(128, 128, 2, unmodified=True).constexprs()["CONSUMERS"] == 2
+    d64 = dataclasses.replace(HOPPER_CALL, qk_head_dim=64, v_head_dim=64, sparse_q=128)
+    assert plan_forward(dataclasses.replace(d64, dense=True, has_score_mod=False)) == ForwardPlan(
+        "gluon", "sm90, 16-bit, TMA-ready layouts")
+    for other in (dict(dense=True, has_score_mod=True), dict(dense=False, has_score_mod=False),
+                  dict(dense=True, has_score_mod=False, v_head_dim=128)):
+        call = dataclasses.replace(d64, **other)
+        assert plan_forward(call) == ForwardPlan("triton", "head dim 64: the Triton template measured faster")
+        assert plan_forward(dataclasses.replace(call, backend="GLUON")).kernel == "gluon"
 
 
 def test_small_calls_take_the_triton_template_unless_descriptors_are_asked_for():
@@ -324,10 +330,11 @@ OFFLINE_CASES = {
     # 64-bit indexing (Inductor picks it for buffers of 2**31 elements or more): the copy
     # engine's coordinates stay 32-bit.
     "int64_indexing_causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi", int64=True),
-    # No block mask at D=64: three consumer warpgroups of 64 rows, 160 registers each.
+    # Neither a block mask nor a score_mod at D=64: three consumer warpgroups of 64 rows,
+    # 160 registers each; with a score_mod, two.
     "no_mask_three_warpgroups_d64": dict(E=64, L=200, S=300),
-    "alibi_three_warpgroups_d64": dict(E=64, L=400, S=400, score="alibi"),
-    "softcap_sinks_three_warpgroups_d64": dict(E=64, L=256, S=256, score="softcap", sinks=True),
+    "no_mask_sinks_three_warpgroups_d64": dict(E=64, L=256, S=256, sinks=True),
+    "no_mask_alibi_d64": dict(E=64, L=400, S=400, score="alibi"),
 }
 
 
@@ -552,11 +559,13 @@ GPU_CASES = {
     # K and V broadcast over the heads (stride 0 along the head dim).
     "kv_broadcast_over_heads_d128": dict(E=128, L=640, S=640, mask=mods.causal_mask, expand_kv="heads",
                                          options=dict(NUM_PROGRAMS=7)),
-    # flex_attention's own default mask (dense=True) at D=64: three consumer warpgroups of 64
-    # rows, lengths that are not multiples of their 192, several units per program, one program.
+    # flex_attention's own default mask (dense=True) at D=64 without a score_mod: three consumer
+    # warpgroups of 64 rows, lengths that are not multiples of their 192, several units per
+    # program, one program; with a score_mod, two.
     "dense_three_warpgroups_d64": dict(E=64, L=1000, S=1000, dense=True),
-    "dense_softcap_odd_three_warpgroups_d64": dict(E=64, L=255, S=300, score="softcap", dense=True),
-    "dense_alibi_gqa_three_warpgroups_d64": dict(E=64, Hq=8, Hkv=2, L=640, S=700, score="alibi", dense=True),
+    "dense_gqa_odd_three_warpgroups_d64": dict(E=64, Hq=8, Hkv=2, L=255, S=300, dense=True),
+    "dense_softcap_odd_d64": dict(E=64, L=255, S=300, score="softcap", dense=True),
+    "dense_alibi_gqa_d64": dict(E=64, Hq=8, Hkv=2, L=640, S=700, score="alibi", dense=True),
     "dense_many_heads_three_warpgroups_d64": dict(E=64, Hq=64, Hkv=16, L=500, S=500, dense=True),
     "dense_one_program_three_warpgroups_d64": dict(E=64, L=777, S=900, dense=True, options=dict(NUM_PROGRAMS=1)),
 }

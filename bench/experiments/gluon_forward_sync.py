@@ -18,8 +18,8 @@ process on the issue #48 shapes:
 - file:PATH: another kernel source (e.g. a branch's ``kernel_source("gluon_forward")``);
 - opt:KEY=VALUE: the template as it is, the call with kernel_options KEY=VALUE (JSON);
 - cfg:FIELD=VALUE: the template as it is, every head dim's default config with FIELD set;
-- nodense: the template as it is, calls without a block mask on the configs of masked calls
-  (two consumer warpgroups at D=64 instead of three).
+- nodense: the template as it is, calls with neither a block mask nor a score_mod on the
+  configs of other calls (two consumer warpgroups at D=64 instead of three).
 
 expect, noturn and named rewrite the text of the one-tile-per-program template they were
 written for (63816cf's: ``--variants file:...`` of its source, then theirs); on another
@@ -143,12 +143,12 @@ def variant_configs(name: str):
     """For a ``cfg:FIELD=VALUE`` variant, the default configs changed while its call compiles."""
     from flexattn.lowering.configs import gluon_forward as gluon_configs
     if name == "nodense":
-        saved = dict(gluon_configs.DENSE_SM90)
-        gluon_configs.DENSE_SM90.clear()
+        saved = dict(gluon_configs.UNMODIFIED_SM90)
+        gluon_configs.UNMODIFIED_SM90.clear()
         try:
             yield
         finally:
-            gluon_configs.DENSE_SM90.update(saved)
+            gluon_configs.UNMODIFIED_SM90.update(saved)
         return
     if not name.startswith("cfg:"):
         yield

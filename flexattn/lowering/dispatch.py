@@ -57,7 +57,7 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
                                                     kernel_options or {}):
         return lower_decode(*args)
     inputs, (query, key, value) = forward_inputs(query, key, value, block_mask, kernel_options or {}, dropout_seed,
-                                                 mask_mod_buffers)
+                                                 mask_mod_buffers, score_mod)
     plan = plan_forward(inputs)
     log.info("flexattn: forward kernel %s (%s)", "Gluon" if plan.kernel == "gluon" else "Triton", plan.reason)
     args = (query, key, value, *args[3:])

@@ -58,6 +58,8 @@ class ForwardInputs:
     work: int | None = None
     #: No block mask (flex_attention's own default mask): the kernels walk every position.
     dense: bool = False
+    #: A score_mod other than the identity.
+    has_score_mod: bool = True
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def _gluon_obstacle(inputs: ForwardInputs) -> str | None:
     if inputs.qk_head_dim not in gluon_configs.SM90 or inputs.v_head_dim not in gluon_configs.SM90:
         return (f"head dims {inputs.qk_head_dim}/{inputs.v_head_dim} (the Gluon kernel takes "
                 f"{sorted(gluon_configs.SM90)})")
-    cfg = gluon_configs.config_for(inputs.qk_head_dim, inputs.v_head_dim, inputs.dtype.itemsize, inputs.dense)
+    cfg = gluon_configs.config_for(inputs.qk_head_dim, inputs.v_head_dim, inputs.dtype.itemsize, _unmodified(inputs))
     if cfg is None:
         return f"head dims {inputs.qk_head_dim}/{inputs.v_head_dim} do not fit shared memory"
     if (not inputs.dense and inputs.sparse_q % cfg.block_m) or inputs.sparse_kv % cfg.block_n:
@@ -98,6 +100,10 @@ def _gluon_obstacle(inputs: ForwardInputs) -> str | None:
     if inputs.tma_forbidden:
         return "kernel_options USE_TMA=False (the Gluon kernel loads its tiles through tensor descriptors)"
     return None
+
+
+def _unmodified(inputs: ForwardInputs) -> bool:
+    return inputs.dense and not inputs.has_score_mod
 
 
 def plan_forward(inputs: ForwardInputs) -> ForwardPlan:
@@ -118,7 +124,7 @@ def plan_forward(inputs: ForwardInputs) -> ForwardPlan:
         return ForwardPlan("triton", f"a small call (batch x heads x queries x keys x head dim {inputs.work} "
                                      f"< 2**{tma_configs.TMA_MIN_FORWARD_WORK.bit_length() - 1}): pointer loads "
                                      f"and Inductor's static launcher")
-    if inputs.qk_head_dim not in gluon_configs.DEFAULT_HEAD_DIMS:
+    if not gluon_configs.takes_by_default(inputs.qk_head_dim, inputs.v_head_dim, _unmodified(inputs)):
         return ForwardPlan("triton", f"head dim {inputs.qk_head_dim}: the Triton template measured faster")
     if (inputs.mask_reads_memory and inputs.partial_heavy
             and inputs.qk_head_dim in gluon_configs.PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS):
@@ -147,7 +153,7 @@ def _work(query, key) -> int | None:
 
 
 def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any], dropout_seed,
-                   mask_mod_buffers=()):
+                   mask_mod_buffers=(), score_mod=None):
     """A call's ``ForwardInputs`` from its IR nodes, and the nodes. Where nothing else
     rules the Gluon kernel out, q, k and v are realized (their final strides decide
     whether tensor descriptors can read them) and returned realized."""
@@ -156,6 +162,7 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
     from .._compat import triton_interpreter_requested
     from .._mask_tuple import BlockMaskView
     from .configs.forward import ForwardConfig
+    from .subgraph import is_identity_score_mod
 
     sizevars = common.V.graph.sizevars
     device = query.get_device()
@@ -183,6 +190,7 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         tma_requested=bool(_options.read(kernel_options, "USE_TMA")),
         work=_work(query, key),
         dense=common.dense_kv(kernel_options, bm.full_kv_num_blocks is not None),
+        has_score_mod=score_mod is not None and not is_identity_score_mod(score_mod.graph_module),
     )
     if plan_forward(inputs).kernel != "gluon":
         # Only a call the Gluon kernel would take has its inputs realized here; the

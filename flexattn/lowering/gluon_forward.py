@@ -80,7 +80,7 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
     spec["USE_TMA"] = True
     usable = gluon_configs.candidate_configs(spec["QK_HEAD_DIM"], spec["V_HEAD_DIM"], query.get_dtype().itemsize,
                                              bool(inductor_config.max_autotune), call.sparse_kv,
-                                             dense=spec["DENSE_KV"])
+                                             unmodified=spec["DENSE_KV"] and not spec["HAS_SCORE_MOD"])
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
     lse, row_max = common.forward_outputs(query)
     inputs = common.forward_kernel_inputs(call, lse, row_max, sinks, None)

@@ -47,16 +47,18 @@ SM90: dict[int, GluonForwardConfig] = {
     256: GluonForwardConfig(128, 64, 2),
 }
 
-#: Calls without a block mask (flex_attention's own default mask, DENSE_KV: the tile need
-#: not divide a BlockMask's query blocks), by QK head dim where the V head dim is the same:
-#: at D=64 a consumer's products are shorter than its softmax, so three warpgroups take
-#: turns (bench/DECISIONS.md#gluon-forward-three-warpgroups).
-DENSE_SM90: dict[int, GluonForwardConfig] = {
+#: Calls with neither a block mask (flex_attention's own default mask, DENSE_KV: the tile
+#: need not divide a BlockMask's query blocks) nor a score_mod, by QK head dim where the V
+#: head dim is the same: at D=64 a consumer's products are shorter than its softmax, so three
+#: warpgroups take turns; a score_mod's registers spill at 160 a thread (ALiBi ran 3.6x
+#: slower), hence none (bench/DECISIONS.md#gluon-forward-three-warpgroups).
+UNMODIFIED_SM90: dict[int, GluonForwardConfig] = {
     64: GluonForwardConfig(192, 128, 2, load_regs=32, mma_regs=160),
 }
 
 #: Head dims where flex_attention takes this kernel unless told otherwise: at D=64 the
-#: Triton template measured faster (bench/DECISIONS.md#gluon-forward-head-dims).
+#: Triton template measured faster (bench/DECISIONS.md#gluon-forward-head-dims) but for
+#: unmodified calls (UNMODIFIED_SM90, `takes_by_default`).
 DEFAULT_HEAD_DIMS = (128, 256)
 
 #: Head dims where a mask_mod that reads captured tensors on a BlockMask of mostly partial
@@ -85,20 +87,31 @@ def fits(cfg: GluonForwardConfig, qk_head_dim: int, v_head_dim: int, elem_bytes:
     return shared_memory_estimate(cfg, qk_head_dim, v_head_dim, elem_bytes) <= SMEM_LIMIT
 
 
-def config_for(qk_head_dim: int, v_head_dim: int, elem_bytes: int, dense: bool = False) -> GluonForwardConfig | None:
-    """The call's default configuration (``dense``: a call without a block mask), or None
-    where none fits shared memory."""
-    cfg = (DENSE_SM90.get(qk_head_dim) if dense and qk_head_dim == v_head_dim else None) or SM90.get(qk_head_dim)
+def unmodified_config(qk_head_dim: int, v_head_dim: int, unmodified: bool) -> GluonForwardConfig | None:
+    """UNMODIFIED_SM90's entry for an unmodified call (no block mask, no score_mod), if any."""
+    return UNMODIFIED_SM90.get(qk_head_dim) if unmodified and qk_head_dim == v_head_dim else None
+
+
+def takes_by_default(qk_head_dim: int, v_head_dim: int, unmodified: bool) -> bool:
+    """Whether flex_attention takes this kernel for these head dims unless told otherwise."""
+    return qk_head_dim in DEFAULT_HEAD_DIMS or unmodified_config(qk_head_dim, v_head_dim, unmodified) is not None
+
+
+def config_for(qk_head_dim: int, v_head_dim: int, elem_bytes: int,
+               unmodified: bool = False) -> GluonForwardConfig | None:
+    """The call's default configuration (``unmodified``: neither a block mask nor a
+    score_mod), or None where none fits shared memory."""
+    cfg = unmodified_config(qk_head_dim, v_head_dim, unmodified) or SM90.get(qk_head_dim)
     if cfg is None or not fits(cfg, qk_head_dim, v_head_dim, elem_bytes):
         return None
     return cfg
 
 
 def candidate_configs(qk_head_dim: int, v_head_dim: int, elem_bytes: int, max_autotune: bool,
-                      sparse_kv: int, dense: bool = False) -> list[GluonForwardConfig]:
+                      sparse_kv: int, unmodified: bool = False) -> list[GluonForwardConfig]:
     """The default, then under max_autotune the other candidates that fit shared memory
     and divide the BlockMask's KV block."""
-    default = config_for(qk_head_dim, v_head_dim, elem_bytes, dense)
+    default = config_for(qk_head_dim, v_head_dim, elem_bytes, unmodified)
     configs = [default] if default is not None else []
     if max_autotune:
         configs += [c for c in AUTOTUNE_CANDIDATES if c not in configs and sparse_kv % c.block_n == 0
