@@ -392,7 +392,8 @@ CONSUMER_OPS = [("arrive", "turn", "0"),
                 ("wait", "k_ready", "stage"), ("wait", "turn", "WARPGROUP"), ("arrive", "turn", "NEXT_WARPGROUP"),
                 ("arrive", "k_empty", "stage"),
                 ("wait", "k_ready", "stage"), ("wait", "v_ready", "last_stage"), ("wait", "turn", "WARPGROUP"),
-                ("arrive", "turn", "NEXT_WARPGROUP"), ("arrive", "k_empty", "stage"), ("arrive", "v_empty", "last_stage"),
+                ("arrive", "turn", "NEXT_WARPGROUP"), ("arrive", "k_empty", "stage"),
+                ("arrive", "v_empty", "last_stage"),
                 ("wait", "v_ready", "last_stage"), ("arrive", "v_empty", "last_stage")]
 
 
@@ -409,8 +410,8 @@ def _template_ops(function: str) -> list[tuple]:
 def _programs(tiles: int | list[int], stages: int, extra_final_turn: bool = False,
               consumers: int = 2) -> list[list[tuple]]:
     """The partitions' operations (the producer's, then each of ``consumers`` warpgroups')
-    for one program walking query tiles of ``tiles`` KV tiles each (an int: one query tile), as ("arrive" | "tma" | "wait", (barrier, slot),
-    phase the wait means); "tma" is an arrival that lands later (the copy engine's
+    for one program walking query tiles of ``tiles`` KV tiles each (an int: one query
+    tile), as ("arrive" | "tma" | "wait", (barrier, slot), phase the wait means); "tma" is an arrival that lands later (the copy engine's
     completion of an expect). The ring's and the turns' counts run on across query tiles."""
     walks = [tiles] if isinstance(tiles, int) else list(tiles)
     producer, done = [], 0
