@@ -121,6 +121,9 @@ CASES = {
     "alibi_s8192_d64": (4, 16, 8192, 64, None, "alibi"),
     "softcap_s8192_d64": (4, 16, 8192, 64, None, "softcap"),
     "no_mask_s2048_d64": (4, 16, 2048, 64, None),
+    "window1024_s8192_d64": (4, 16, 8192, 64, "window1024"),
+    "document8_s8192_d64": (4, 16, 8192, 64, "document8"),
+    "causal_alibi_s8192_d64": (4, 16, 8192, 64, "causal", "alibi"),
 }
 
 
