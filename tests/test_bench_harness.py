@@ -179,7 +179,7 @@ def test_merge_combines_parts(dry_run, tmp_path):
 
 def test_case_selection_and_modes():
     names = [c.name for c in bench.full_suite()]
-    assert len(names) == len(set(names)) == 11
+    assert len(names) == len(set(names)) == 12
     assert all(c.S == 4096 for c in bench.quick_suite())
     args = bench.parse_args(["--quick"])
     assert bench.select_modes(args) == ["fwd"]
