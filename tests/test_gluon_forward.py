@@ -411,8 +411,9 @@ def _programs(tiles: int | list[int], stages: int, extra_final_turn: bool = Fals
               consumers: int = 2) -> list[list[tuple]]:
     """The partitions' operations (the producer's, then each of ``consumers`` warpgroups')
     for one program walking query tiles of ``tiles`` KV tiles each (an int: one query
-    tile), as ("arrive" | "tma" | "wait", (barrier, slot), phase the wait means); "tma" is an arrival that lands later (the copy engine's
-    completion of an expect). The ring's and the turns' counts run on across query tiles."""
+    tile), as ("arrive" | "tma" | "wait", (barrier, slot), phase the wait means); "tma" is
+    an arrival that lands later (the copy engine's completion of an expect). The ring's and
+    the turns' counts run on across query tiles."""
     walks = [tiles] if isinstance(tiles, int) else list(tiles)
     producer, done = [], 0
     for count in walks:
@@ -572,11 +573,8 @@ GPU_CASES = {
 }
 
 
-@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")
-@pytest.mark.parametrize("backend", ["GLUON", "TRITON"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", sorted(GPU_CASES))
-def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, backend):
+def _gpu_case_call(case: str, dtype: torch.dtype, backend: str):
+    """GPU case ``case``'s inputs (q, k, v), its reference call and its compiled HOP call."""
     c = GPU_CASES[case]
     Hq, Hkv = c.get("Hq", 4), c.get("Hkv", 4)
     q, k, v = harness.make_inputs(7, B=2, Hq=Hq, Hkv=Hkv, L=c["L"], S=c["S"], E=c["E"], Ev=c.get("Ev"), dtype=dtype)
@@ -594,14 +592,37 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
         options.update(flexattn.options.internal_options(DEFAULT_MASK=True))
     scale = c["E"] ** -0.5
     bm = block_mask.as_tuple()
-    golden, ref = harness.reference_runs(harness.dense_reference(score_mod, bm, scale, options), (q, k, v))
-    harness.poison_allocator(8 * q.numel())
 
     @torch.compile(fullgraph=True)
     def compiled(q, k, v):
         return flex_attention_hop(q, k, v, score_mod, bm, scale, options, (), ())
 
-    harness.check_attention(compiled(q, k, v), ref, golden, dtype)
+    return (q, k, v), harness.dense_reference(score_mod, bm, scale, options), compiled
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="renders through the CPU's Triton path (a GPU runs the kernel instead)")
+@pytest.mark.parametrize("case", sorted(c for c in GPU_CASES if c.startswith("dense_")))
+def test_the_gpu_cases_without_a_block_mask_render_the_warpgroups_they_name(case, monkeypatch, tmp_path):
+    """The GPU cases named for three warpgroups render CONSUMERS = 3 (no block mask, the
+    identity score_mod), the other dense ones two: the GPU run cannot pass on two by mistake."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    inputs, _, compiled = _gpu_case_call(case, torch.float16, "AUTO")
+    sources = _rendered_gluon_sources(monkeypatch, tmp_path, lambda: compiled(*inputs))
+    assert sources, "no Gluon kernel was rendered"
+    consumers = 3 if "three_warpgroups" in case else 2
+    for path in sources:
+        assert re.search(rf"CONSUMERS\s*:\s*\w+\.constexpr\s*=\s*{consumers}\n", open(path).read())
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")
+@pytest.mark.parametrize("backend", ["GLUON", "TRITON"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, backend):
+    inputs, reference, compiled = _gpu_case_call(case, dtype, backend)
+    golden, ref = harness.reference_runs(reference, inputs)
+    harness.poison_allocator(8 * inputs[0].numel())
+    harness.check_attention(compiled(*inputs), ref, golden, dtype)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")

@@ -1,8 +1,9 @@
 """Tile configurations of the Gluon forward kernel (``templates/gluon_forward.py.jinja``).
 
 A ``GluonForwardConfig`` is one launch shape of the warp-specialised kernel: the query
-tile (consumer warpgroups of 64 rows: two, or three without a block mask at D=64), the KV step, the depth of the K/V
-ring, and the register budgets of the producer and consumer partitions. The table is
+tile (consumer warpgroups of 64 rows: two, or three at D=64 with neither a block mask nor
+a score_mod), the KV step, the depth of the K/V ring, and the register budgets of the
+producer and consumer partitions. The table is
 keyed by the QK head dim (the kernel takes 64, 128 and 256); the measurements behind
 each entry: bench/DECISIONS.md#gluon-forward-tiles.
 """
@@ -23,12 +24,13 @@ class GluonForwardConfig(TileConfig):
     block_n: int
     num_stages: int
     #: Registers per thread of the one-warp TMA producer and of each worker consumer
-    #: warpgroup; the default warpgroup takes the rest of the launch's 128 per thread per
-    #: warpgroup (the producer's counts as one): 32 + 232 + 240 with two consumers (the
-    #: producer walks each query tile's block lists: at 24 it spills), 32 + 160 * 3 with three.
+    #: warpgroup; the default warpgroup takes the rest of the 65536 registers shared by the
+    #: warpgroups (the producer's one warp counts as a warpgroup): 168 a warpgroup with two
+    #: consumers, 32 + 232 + 240 = 504 (the producer walks each query tile's block lists: at
+    #: 24 it spills); 128 with three, 32 + 160 * 3 = 512.
     load_regs: int = 32
     mma_regs: int = 232
-    #: The default partition: one consumer warpgroup (the other is a worker partition).
+    #: The default partition: one consumer warpgroup (the others are worker partitions).
     num_warps: int = 4
 
     OPTION_NAMES: ClassVar[dict[str, str]] = {"block_m": "BLOCK_M", "block_n": "BLOCK_N",
