@@ -1,47 +1,83 @@
-"""Forward time of bench_user_masks.py formulations under kernel_options variants, beside torch's flex.
+"""Time of bench_user_masks.py formulations under kernel_options variants, beside torch's flex.
 
-    python bench/experiments/mask_kernel_ab.py NAMES [D] [VARIANTS_JSON]
+    python bench/experiments/mask_kernel_ab.py NAMES [D] [VARIANTS_JSON] [--mode fwd|fwdbwd] [--top alibi|softcap]
 
 NAMES: comma-separated formulations of bench/bench_user_masks.py, at B=4 H=16 S=8192, bf16.
-VARIANTS_JSON: {name: kernel_options} (default AUTO, BACKEND TRITON, BACKEND GLUON). Prints
-one JSON line per formulation: the listed partial and full blocks per query block, each
-variant's and torch's do_bench milliseconds (launch included), and the largest difference
-of each variant's output from torch's.
+VARIANTS_JSON: {name: kernel_options} (default AUTO, BACKEND TRITON, BACKEND GLUON).
+--mode fwdbwd times forward and backward together (backward tiles: the `bwd_` options);
+--top puts the suite's ALiBi or soft-cap score_mod on the mask. Prints one JSON line per
+formulation: the listed partial and full blocks per query block, each variant's and
+torch's do_bench milliseconds (launch included), and the largest difference of each
+variant's output (fwdbwd: and of its query gradient) from torch's.
 """
-import sys, json
-sys.path.insert(0, "bench")
-import torch, triton.testing
-import bench_user_masks as um
-import flexattn
-from torch.nn.attention import flex_attention as tf
+import argparse
+import json
+import sys
 
-names = sys.argv[1].split(",")
-D = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+sys.path.insert(0, "bench")
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+from torch.nn.attention import flex_attention as tf  # noqa: E402
+
+import bench_user_masks as um  # noqa: E402
+import flexattn  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("names")
+parser.add_argument("D", nargs="?", type=int, default=128)
+parser.add_argument("variants", nargs="?",
+                    default='{"AUTO": {}, "TRITON": {"BACKEND": "TRITON"}, "GLUON": {"BACKEND": "GLUON"}}')
+parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
+parser.add_argument("--top", choices=("alibi", "softcap"))
+args = parser.parse_args()
+D, variants = args.D, json.loads(args.variants)
 shape = um.Shape(4, 16, 8192)
 dev = torch.device("cuda")
-for name in names:
+
+
+def timed(fn, q, k, v, grad):
+    """fn's output (and query gradient) and do_bench ms of a call (with backward in fwdbwd)."""
+    def step():
+        out = fn(q, k, v)
+        if args.mode == "fwdbwd":
+            out.backward(grad)
+        return out
+    out = step()
+    dq = None
+    if args.mode == "fwdbwd":
+        dq, q.grad, k.grad, v.grad = q.grad.clone(), None, None, None
+    ms = triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=[q, k, v] if args.mode == "fwdbwd" else None)
+    return out.detach(), dq, round(ms, 3)
+
+
+for name in args.names.split(","):
     built = um.FORMULATIONS[name].build(shape, dev)
+    score_mod = um.score_mod_on_top(args.top, shape.H, dev) if args.top else None
     fbm = flexattn.create_block_mask(built.mask_mod, None, None, built.q_len, built.kv_len, device=dev)
     tbm = tf.create_block_mask(built.mask_mod, None, None, built.q_len, built.kv_len, device=dev)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(4, 16, built.q_len, D, device=dev, dtype=torch.bfloat16, generator=g)
-    k = torch.randn(4, 16, built.kv_len, D, device=dev, dtype=torch.bfloat16, generator=g)
-    v = torch.randn_like(k)
+    grad_on = args.mode == "fwdbwd"
+    q = torch.randn(4, 16, built.q_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
+    k = torch.randn(4, 16, built.kv_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
+    v = torch.randn(4, 16, built.kv_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
+    grad = torch.randn(4, 16, built.q_len, D, device=dev, dtype=torch.bfloat16, generator=g)
     kv_num = fbm.kv_num_blocks.float().mean().item(); full = fbm.full_kv_num_blocks.float().mean().item()
-    row = {"case": name, "D": D, "partial_blocks_per_row": round(kv_num, 1), "full_blocks_per_row": round(full, 1)}
-    variants = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {"AUTO": {}, "TRITON": {"BACKEND": "TRITON"}, "GLUON": {"BACKEND": "GLUON"}}
+    row = {"case": name, "D": D, "mode": args.mode, "top": args.top, "partial_blocks_per_row": round(kv_num, 1),
+           "full_blocks_per_row": round(full, 1)}
     outs = {}
     for vname, opts in variants.items():
         torch._dynamo.reset()
-        f = torch.compile(lambda q, k, v, o=opts: flexattn.flex_attention(q, k, v, block_mask=fbm, kernel_options=o))
+        f = torch.compile(lambda q, k, v, o=opts: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=fbm,
+                                                                          kernel_options=o))
         try:
-            outs[vname] = f(q, k, v)
-            row[vname] = round(triton.testing.do_bench(lambda: f(q, k, v), warmup=25, rep=200), 3)
+            out, dq, row[vname] = timed(f, q, k, v, grad)
+            outs[vname] = (out, dq)
         except Exception as e:
             row[vname] = f"{type(e).__name__}: {str(e)[:200]}"
     torch._dynamo.reset()
-    t = torch.compile(lambda q, k, v: tf.flex_attention(q, k, v, block_mask=tbm))
-    ref = t(q, k, v)
-    row["torch"] = round(triton.testing.do_bench(lambda: t(q, k, v), warmup=25, rep=200), 3)
-    row["maxdiff"] = {k_: float((o.float() - ref.float()).abs().max()) for k_, o in outs.items()}
+    t = torch.compile(lambda q, k, v: tf.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm))
+    ref, ref_dq, row["torch"] = timed(t, q, k, v, grad)
+    row["maxdiff"] = {k_: float((o.float() - ref.float()).abs().max()) for k_, (o, _) in outs.items()}
+    if grad_on:
+        row["maxdiff_dq"] = {k_: float((dq.float() - ref_dq.float()).abs().max()) for k_, (_, dq) in outs.items()}
     print(json.dumps(row), flush=True)
