@@ -626,13 +626,17 @@ def test_gluon_and_triton_kernels_against_the_golden_reference(case, dtype, back
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm90 GPUs")
-def test_a_dynamic_graph_walks_several_single_tiles_per_program():
-    """Compiled for dynamic sizes first at 128 query tiles (no more than the SMs: the size
-    hints leave PAIRED_Q_TILES 0), then called at 512: each program walks four single
-    tiles, which no static call does (more tiles than SMs pair them)."""
+@pytest.mark.parametrize("E, dense", [(128, False), (64, True)], ids=["causal_d128", "dense_three_warpgroups_d64"])
+def test_a_dynamic_graph_walks_several_single_tiles_per_program(E, dense):
+    """Compiled for dynamic sizes first at few query tiles (no more than the SMs: the size
+    hints leave PAIRED_Q_TILES 0), then called at 1024 rows: each program walks several
+    single tiles, which no static call does (more tiles than SMs pair them). At D=64
+    without a block mask the default plan's three warpgroups (192-row tiles)."""
     torch._dynamo.reset()
-    options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND="GLUON")
-    scale = 128 ** -0.5
+    options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND="AUTO" if dense else "GLUON")
+    if dense:
+        options.update(flexattn.options.internal_options(DEFAULT_MASK=True))
+    scale = E ** -0.5
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score
@@ -642,8 +646,8 @@ def test_a_dynamic_graph_walks_several_single_tiles_per_program():
         return flex_attention_hop(q, k, v, score_mod, bm, scale, options, (), ())
 
     for L in (256, 1024):
-        q, k, v = harness.make_inputs(L, B=4, Hq=16, L=L, S=L, E=128, dtype=torch.bfloat16)
-        bm = create_block_mask(mods.causal_mask, None, None, L, L, device=DEVICE).as_tuple()
+        q, k, v = harness.make_inputs(L, B=4, Hq=16, L=L, S=L, E=E, dtype=torch.bfloat16)
+        bm = create_block_mask(noop_mask if dense else mods.causal_mask, None, None, L, L, device=DEVICE).as_tuple()
         golden, ref = harness.reference_runs(harness.dense_reference(score_mod, bm, scale, options), (q, k, v))
         harness.check_attention(compiled(q, k, v, bm), ref, golden, torch.bfloat16, prefix=f"L={L} ")
 
