@@ -12,7 +12,11 @@ around each step, in cycles of the SM clock, summed per query tile and warpgroup
 - s_wait: the wait for S;
 - softmax: the mods and the online softmax, up to the wait for P V;
 - pv_wait: the wait for P V;
-- rescale: acc *= alpha and P to 16 bits.
+- rescale: acc *= alpha and P to 16 bits;
+
+and per query tile, from its query load to its output store (`tile`), so that what the loop
+does not cover (the query load, the first KV tile, the last P V, the write-out) shows as
+`outside_loop` = tile - (KV tiles after the first) x the phases' sum.
 
 The averages per KV tile come back through the row-max output (the first rows of each
 warpgroup's slice of each query tile carry the phases instead), so the instrumented call
@@ -54,10 +58,12 @@ def _insert(text: str, anchor: str, before: str = "", after: str = "") -> str:
 def instrumented(text: str) -> str:
     """The template's text with the phase clocks (see the module docstring)."""
     loop = "                "
-    out = _insert(text, "        if num_tiles > 0:\n",
-                  before="ph_zero = gl.zeros([ROWS], gl.int32, layout=row_s)\n"
-                         + "".join(f"ph_{p} = gl.zeros([ROWS], gl.int64, layout=row_s)\n" for p in PHASES)
+    out = _insert(text, "        offs_qm = off_m * BLOCK_M + WARPGROUP * ROWS",
+                  before="ph_zero = gl.zeros([ROWS], gl.int32, layout=row_s)\nt_begin = clock_now(ph_zero)")
+    out = _insert(out, "        if num_tiles > 0:\n",
+                  before="".join(f"ph_{p} = gl.zeros([ROWS], gl.int64, layout=row_s)\n" for p in PHASES)
                          + "ph_n = gl.zeros([ROWS], gl.int64, layout=row_s)")
+    out = _insert(out, "        if OUTPUT_LOGSUMEXP:\n", before="t_end = clock_now(ph_zero)")
     out = _insert(out, loop + "mbarrier.wait(k_ready.index(stage), phase)", before="t0 = clock_now(ph_zero)")
     out = _insert(out, loop + "mbarrier.wait(turn.index(WARPGROUP), (done + it) & 1)",
                   before="t1 = clock_now(ph_zero)", after="t2 = clock_now(ph_zero)")
@@ -79,7 +85,9 @@ def instrumented(text: str) -> str:
                          "ph_tiles = gl.maximum(gl.convert_layout(ph_n.to(gl.float32), row_o), 1.0)\n"
                          f"{averages}\n"
                          f"row_max = gl.where(offs_r == {len(PHASES)}, "
-                         "gl.convert_layout(ph_n.to(gl.float32), row_o), row_max)")
+                         "gl.convert_layout(ph_n.to(gl.float32), row_o), row_max)\n"
+                         f"row_max = gl.where(offs_r == {len(PHASES) + 1}, "
+                         "gl.convert_layout((t_end - t_begin).to(gl.float32), row_o), row_max)")
     return out + _CLOCK_HELPER
 
 
@@ -89,21 +97,25 @@ def read_phases(row_max, block_m: int, consumers: int) -> dict:
 
     B, H, L = row_max.shape
     tiles = L // block_m
-    rows = row_max[:, :, :tiles * block_m].reshape(B, H, tiles, consumers, block_m // consumers)[..., :len(PHASES) + 1]
+    n = len(PHASES)
+    rows = row_max[:, :, :tiles * block_m].reshape(B, H, tiles, consumers, block_m // consumers)[..., :n + 2]
     result = {}
     for wg in range(consumers):
-        vals = rows[:, :, :, wg].reshape(-1, len(PHASES) + 1).float()
-        counts = vals[:, -1]
+        vals = rows[:, :, :, wg].reshape(-1, n + 2).float()
+        counts = vals[:, n]
         weights = counts / counts.sum()
         result[wg] = {p: round(float((vals[:, i] * weights).sum()), 1) for i, p in enumerate(PHASES)}
-        result[wg]["kv_tiles_per_query_tile"] = round(float(counts.mean()), 1)
+        result[wg]["kv_tiles_per_query_tile"] = round(float(counts.mean()) + 1, 1)
+        result[wg]["tile"] = round(float(vals[:, n + 1].mean()), 1)
+        result[wg]["outside_loop"] = round(float((vals[:, n + 1] - counts * vals[:, :n].sum(1)).mean()), 1)
     assert torch.isfinite(rows).all()
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="no_mask_s8192_d128,causal_s8192_d128,no_mask_s8192_d64")
+    parser.add_argument("--cases", default="no_mask_s8192_d128,causal_s8192_d128,window1024_s8192_d128,"
+                                           "document8_s8192_d128,no_mask_s8192_d64")
     parser.add_argument("--offline", metavar="OUT_DIR", help="write the instrumented template and stop")
     args = parser.parse_args()
     from flexattn.templates import kernel_source
