@@ -3,9 +3,9 @@
 A ``GluonForwardConfig`` is one launch shape of the warp-specialised kernel: the query
 tile (consumer warpgroups of 64 rows: two, or three at D=64 with neither a block mask nor
 a score_mod), the KV step, the depth of the K/V ring, and the register budgets of the
-producer and consumer partitions. The table is
-keyed by the QK head dim (the kernel takes 64, 128 and 256); the measurements behind
-each entry: bench/DECISIONS.md#gluon-forward-tiles.
+producer and consumer partitions. The tables are keyed by the QK head dim (the kernel
+takes 64, 128 and 256); the measurements behind each entry:
+bench/DECISIONS.md#gluon-forward-tiles and #gluon-forward-three-warpgroups.
 """
 
 from __future__ import annotations
