@@ -143,26 +143,26 @@ def mask_mod(kind, S):
 
 @contextlib.contextmanager
 def variant_configs(name: str):
-    """For a ``cfg:FIELD=VALUE`` variant, the default configs changed while its call compiles."""
+    """For a ``cfg:FIELD=VALUE`` variant, the default configs with FIELD set, and for
+    ``nodense`` no three-warpgroup configs, while its call compiles."""
     from flexattn.lowering.configs import gluon_forward as gluon_configs
     if name == "nodense":
-        saved = dict(gluon_configs.UNMODIFIED_SM90)
-        gluon_configs.UNMODIFIED_SM90.clear()
-        try:
-            yield
-        finally:
-            gluon_configs.UNMODIFIED_SM90.update(saved)
-        return
-    if not name.startswith("cfg:"):
+        table, replaced = gluon_configs.UNMODIFIED_SM90, {}
+    elif name.startswith("cfg:"):
+        field, value = name[len("cfg:"):].split("=", 1)
+        table = gluon_configs.SM90
+        replaced = {d: dataclasses.replace(c, **{field: int(value)}) for d, c in table.items()}
+    else:
         yield
         return
-    field, value = name[len("cfg:"):].split("=", 1)
-    saved = dict(gluon_configs.SM90)
-    gluon_configs.SM90.update({d: dataclasses.replace(c, **{field: int(value)}) for d, c in saved.items()})
+    saved = dict(table)
+    table.clear()
+    table.update(replaced)
     try:
         yield
     finally:
-        gluon_configs.SM90.update(saved)
+        table.clear()
+        table.update(saved)
 
 
 def variant_options(name: str) -> dict:

@@ -153,7 +153,7 @@ def _work(query, key) -> int | None:
 
 
 def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any], dropout_seed,
-                   mask_mod_buffers=(), score_mod=None):
+                   mask_mod_buffers, score_mod):
     """A call's ``ForwardInputs`` from its IR nodes, and the nodes. Where nothing else
     rules the Gluon kernel out, q, k and v are realized (their final strides decide
     whether tensor descriptors can read them) and returned realized."""
@@ -190,7 +190,7 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         tma_requested=bool(_options.read(kernel_options, "USE_TMA")),
         work=_work(query, key),
         dense=common.dense_kv(kernel_options, bm.full_kv_num_blocks is not None),
-        has_score_mod=score_mod is not None and not is_identity_score_mod(score_mod.graph_module),
+        has_score_mod=not is_identity_score_mod(score_mod.graph_module),
     )
     if plan_forward(inputs).kernel != "gluon":
         # Only a call the Gluon kernel would take has its inputs realized here; the
