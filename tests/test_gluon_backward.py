@@ -9,6 +9,7 @@ through the public API with kernel_options BWD_BACKEND="GLUON".
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ import torch
 import flexattn
 from flexattn import mods
 from flexattn.lowering.backward_plan import BackwardInputs, BackwardPlan, plan_backward
+from flexattn.templates import gluon_kernel_source
 
 import _harness as harness
+from _barrier_model import explore
 from _gluon_offline import compile_offline_for_sm90, rendered_gluon_sources
 from conftest import DEVICE
 from test_backward import _no_buffers, run_case
@@ -107,6 +110,61 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
         assert report["setmaxnreg"], "the partitions' register budgets were not applied"
         assert report["num_warps"] == 12  # two consumer warpgroups and the producer's
         assert report["ptxas_read"]
+
+
+# --------------------------------------------------------------------------------------
+# The barrier protocol: the producer's K/V and Q/dO ring against both consumers
+# --------------------------------------------------------------------------------------
+#: The mbarrier operations of the producer (load_tiles) and a consumer (consume_keys) in
+#: source order, as (operation, barrier, index expression); the model below follows them.
+PRODUCER_OPS = [("expect", "kv_ready", None), ("wait", "tile_free", "stage"), ("expect", "q_ready", "stage"),
+                ("expect", "do_ready", "stage")]
+CONSUMER_OPS = [("wait", "kv_ready", None), ("wait", "q_ready", "stage"), ("wait", "do_ready", "stage"),
+                ("arrive", "tile_free", "stage")]
+COUNTS = {"kv_ready": 1, "q_ready": 1, "do_ready": 1, "tile_free": 2}
+
+
+def _template_ops(function: str) -> list[tuple]:
+    body = gluon_kernel_source("gluon_backward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
+    return [(op, bar, index or None) for op, bar, index in
+            re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", body)]
+
+
+def _programs(tiles_per_head: list[int], stages: int) -> list[list[tuple]]:
+    """The producer's and both consumers' operations for one program whose group's query
+    heads list ``tiles_per_head`` query tiles; the ring's count runs on across heads."""
+    total = sum(tiles_per_head)
+    producer = [("tma", ("kv_ready", 0), None)]
+    for j in range(total):
+        stage, lap = j % stages, j // stages
+        # A fresh barrier passes a wait on phase 1: the first lap finds every slot free.
+        producer += [("wait", ("tile_free", stage), lap - 1), ("tma", ("q_ready", stage), None),
+                     ("tma", ("do_ready", stage), None)]
+    consumer = [("wait", ("kv_ready", 0), 0)]
+    for j in range(total):
+        stage, lap = j % stages, j // stages
+        consumer += [("wait", ("q_ready", stage), lap), ("wait", ("do_ready", stage), lap),
+                     ("arrive", ("tile_free", stage), None)]
+    return [producer, consumer, list(consumer)]
+
+
+def test_the_model_has_the_templates_barrier_operations():
+    assert _template_ops("load_tiles") == PRODUCER_OPS
+    assert _template_ops("consume_keys") == CONSUMER_OPS
+
+
+@pytest.mark.parametrize("tiles_per_head", [[0], [1], [3], [2, 0, 3], [1, 1, 1, 1]], ids=str)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_no_interleaving_of_the_backward_partitions_hangs(tiles_per_head, stages):
+    assert explore(_programs(tiles_per_head, stages), COUNTS) == []
+
+
+def test_the_model_finds_a_consumer_that_frees_a_slot_once_too_few():
+    """The check can fail: a consumer skipping its release of the first slot stalls the producer."""
+    programs = _programs([3], 2)
+    programs[1].remove(("arrive", ("tile_free", 0), None))
+    problems = explore(programs, COUNTS)
+    assert problems and "wait forever" in problems[0]
 
 
 GPU_CASES = {
