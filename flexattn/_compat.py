@@ -516,3 +516,26 @@ def share_template_workspace(choice, workspace) -> None:
     if bmreq is not None and getattr(bmreq, "workspace_size", None) is not None:
         count = int(V.graph.sizevars.optimization_hint(workspace.count))
         bmreq.workspace_size = count * workspace.dtype.itemsize
+
+
+def gluon_tma_atomic_add():
+    """Gluon's bulk add of a shared-memory tile into global memory through a tensor
+    descriptor: ``tma.async_atomic_add(desc, coord, src)`` from Triton 3.7 on; Triton 3.6
+    has the operation but no public wrapper, so one is made here from its builder call.
+    Completes like a TMA store (``tma.store_wait`` before ``src`` is written again)."""
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    public = getattr(tma, "async_atomic_add", None)
+    if public is not None:
+        return public
+
+    @builtin
+    def async_atomic_add(tensor_desc, coord, src, _semantic=None):
+        from triton._C.libtriton import ir
+
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    return async_atomic_add

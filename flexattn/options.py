@@ -144,6 +144,10 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "warp-specialised Hopper forward; an error where it does not cover the call), TRITON_DECODE "
                  "(the split-KV decode kernel); torch's FLASH backend does not exist here (an error)", "torch",
                  choices=("AUTO", "TRITON", "GLUON", "TRITON_DECODE", "FLASH")),
+    KernelOption("BWD_BACKEND", "str", "AUTO", _BWD,
+                 "which backward kernel: AUTO (flexattn's choice: the Triton template), TRITON, GLUON (the "
+                 "warp-specialised Hopper backward, being built; an error where it does not cover the call)",
+                 choices=("AUTO", "TRITON", "GLUON")),
     KernelOption("NUM_PROGRAMS", "int", PER_CALL, ("forward",),
                  "Gluon forward: programs launched, each walking every n-th unit of the call (one query "
                  "tile, or tiles i and n-1-i where the tiles outnumber the programs; units of a head, then "

@@ -12,7 +12,6 @@ through BACKEND="GLUON" and BACKEND="TRITON".
 from __future__ import annotations
 
 import dataclasses
-import glob
 import re
 
 import pytest
@@ -29,9 +28,11 @@ from flexattn.lowering.configs import gluon_forward as gluon_configs
 from flexattn.lowering.configs import tma as tma_configs
 from flexattn.lowering.forward_plan import ForwardInputs, ForwardPlan, plan_forward
 from flexattn.lowering.gluon_template import gluon_compatible
-from flexattn.templates import kernel_source
+from flexattn.templates import gluon_kernel_source
 
 import _harness as harness
+from _barrier_model import explore
+from _gluon_offline import compile_offline_for_sm90, rendered_gluon_sources
 from conftest import DEVICE
 
 flexattn.lowering.register()
@@ -256,71 +257,6 @@ def test_typed_constants_become_scalars(line, expected):
     assert gluon_compatible(line) == expected
 
 
-def _rendered_gluon_sources(monkeypatch, tmp_path, run) -> list[str]:
-    """The Gluon kernel modules Inductor writes for ``run`` with the plan forced to the
-    Gluon kernel (on the CPU the compiled call then fails to launch, which is expected)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(dispatch, "plan_forward", lambda inputs: ForwardPlan("gluon", "forced"))
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1, force_disable_caches=True):
-        try:
-            run()
-        except Exception:  # noqa: BLE001 - the launch cannot work without a Hopper GPU
-            pass
-    sources = []
-    for path in glob.glob(str(tmp_path / "**" / "*.py"), recursive=True):
-        text = open(path).read()
-        if text.lstrip().startswith("from triton.experimental import gluon"):
-            sources.append(path)
-    return sources
-
-
-#: Compiles rendered Gluon kernel modules for sm90 and prints what the test checks, one JSON
-#: line per module. It runs in a process of its own: under TRITON_INTERPRET=1 (the CPU
-#: suite) Triton's standard library is interpreted and cannot be compiled.
-_OFFLINE_COMPILE = r"""
-import importlib.util, json, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.experimental.gluon._runtime import GluonASTSource
-
-for path in sys.argv[1:]:
-    spec = importlib.util.spec_from_file_location("rendered_gluon_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    autotuner = getattr(module, re.search(r"@gluon\.jit\ndef (\w+)\(", open(path).read()).group(1))
-    meta = autotuner.triton_meta
-    source = GluonASTSource(autotuner.fn, dict(meta["signature"]), constexprs={},
-                            attrs=meta["configs"][0] if meta.get("configs") else None)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(tmp + "/kernel.ptx", "w") as f:
-            f.write(ptx)
-        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", tmp + "/kernel.ptx", "-o",
-                                 tmp + "/kernel.o"], capture_output=True, text=True, check=True)
-    log = report.stdout + report.stderr
-    print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
-                      "setmaxnreg": "setmaxnreg" in ptx,
-                      "spills": sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
-                      "ptxas_read": "bytes spill stores" in log}))
-"""
-
-
-def _compile_offline_for_sm90(paths: list[str]) -> list[dict]:
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _OFFLINE_COMPILE, *paths], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-
-
 OFFLINE_CASES = {
     "document_odd_lengths_d64": dict(E=64, L=200, S=300, mask="document"),
     "causal_alibi_d128": dict(E=128, L=256, S=256, mask="causal", score="alibi"),
@@ -366,11 +302,11 @@ def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp
     def run():
         torch.compile(flexattn.flex_attention)(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
 
-    sources = _rendered_gluon_sources(monkeypatch, tmp_path, run)
+    sources = rendered_gluon_sources(monkeypatch, tmp_path, run)
     assert sources, "no Gluon kernel was rendered"
     if c.get("int64"):
         assert all(re.search(r"INDEX_DTYPE\s*:\s*\w+\.constexpr\s*=\s*\w+\.int64", open(s).read()) for s in sources)
-    reports = _compile_offline_for_sm90(sources)
+    reports = compile_offline_for_sm90(sources)
     assert len(reports) == len(sources)
     for report in reports:
         assert report["setmaxnreg"], "the partitions' register budgets were not applied"
@@ -402,7 +338,7 @@ def _barrier_counts(consumers: int) -> dict[str, int]:
 
 
 def _template_ops(function: str) -> list[tuple]:
-    body = kernel_source("gluon_forward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
+    body = gluon_kernel_source("gluon_forward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
     return [(op, bar, index or None) for op, bar, index in
             re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", body)]
 
@@ -448,46 +384,7 @@ def _programs(tiles: int | list[int], stages: int, extra_final_turn: bool = Fals
 
 
 def _explore(programs: list[list[tuple]]) -> list[str]:
-    """Every interleaving of the partitions (and of the copy engine's completions): the
-    states where a partition waits forever, and waits that pass on a barrier that ran a
-    lap past the phase they meant (a parity wait cannot tell the two apart)."""
-    barriers = sorted({op[1] for ops in programs for op in ops})
-    slot = {b: i for i, b in enumerate(barriers)}
-    counts = _barrier_counts(len(programs) - 1)
-
-    def arrive(state, barrier):
-        phases = list(state)
-        phase, pending = phases[slot[barrier]]
-        phases[slot[barrier]] = (phase + 1, counts[barrier[0]]) if pending == 1 else (phase, pending - 1)
-        return tuple(phases)
-
-    start = (tuple(0 for _ in programs), tuple((0, counts[b[0]]) for b in barriers), ())
-    seen, todo, problems = {start}, [start], []
-    while todo and not problems:
-        pcs, state, landing = todo.pop()
-        moves = [(pcs, arrive(state, b), landing[:i] + landing[i + 1:]) for i, b in enumerate(landing)]
-        for t, ops in enumerate(programs):
-            if pcs[t] == len(ops):
-                continue
-            kind, barrier, meant = ops[pcs[t]]
-            after = pcs[:t] + (pcs[t] + 1,) + pcs[t + 1:]
-            if kind == "arrive":
-                moves.append((after, arrive(state, barrier), landing))
-            elif kind == "tma":
-                moves.append((after, state, tuple(sorted(landing + (barrier,)))))
-            else:
-                phase = state[slot[barrier]][0]
-                if phase % 2 != meant % 2:  # the parity wait passes
-                    if phase != meant + 1:
-                        problems.append(f"partition {t} passed a wait for phase {meant} of {barrier} at phase {phase}")
-                    moves.append((after, state, landing))
-        if not moves and any(pc < len(ops) for pc, ops in zip(pcs, programs)):
-            problems.append(f"partitions wait forever at {pcs} (of {[len(ops) for ops in programs]} operations)")
-        for move in moves:
-            if move not in seen:
-                seen.add(move)
-                todo.append(move)
-    return problems
+    return explore(programs, _barrier_counts(len(programs) - 1))
 
 
 #: The phase argument of each wait in the template, in source order: `_programs` models
@@ -498,7 +395,7 @@ CONSUMER_WAIT_PHASES = ["(done // NUM_STAGES) & 1", "done & 1", "phase", "last_p
 
 
 def _template_wait_phases(function: str) -> list[str]:
-    body = kernel_source("gluon_forward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
+    body = gluon_kernel_source("gluon_forward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
     return re.findall(r"mbarrier\.wait\(\w+(?:\.index\([^)]*\))?, (.+)\)\n", body)
 
 
@@ -607,7 +504,7 @@ def test_the_gpu_cases_without_a_block_mask_render_the_warpgroups_they_name(case
     identity score_mod), the other dense ones two: the GPU run cannot pass on two by mistake."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     inputs, _, compiled = _gpu_case_call(case, torch.float16, "AUTO")
-    sources = _rendered_gluon_sources(monkeypatch, tmp_path, lambda: compiled(*inputs))
+    sources = rendered_gluon_sources(monkeypatch, tmp_path, lambda: compiled(*inputs))
     assert sources, "no Gluon kernel was rendered"
     consumers = 3 if "three_warpgroups" in case else 2
     for path in sources:

@@ -118,8 +118,8 @@ def main() -> None:
                                            "document8_s8192_d128,no_mask_s8192_d64")
     parser.add_argument("--offline", metavar="OUT_DIR", help="write the instrumented template and stop")
     args = parser.parse_args()
-    from flexattn.templates import kernel_source
-    text = instrumented(kernel_source("gluon_forward"))
+    from flexattn.templates import gluon_kernel_source
+    text = instrumented(gluon_kernel_source("gluon_forward"))
     if args.offline:
         with open(f"{args.offline}/gluon_forward_phases.py.jinja", "w") as f:
             f.write(text)
@@ -151,7 +151,7 @@ def main() -> None:
         cfg = gluon_configs.config_for(D, D, 2, unmodified)
         row = {"case": case, "block_m": cfg.block_m, "ms": {}}
         for name in ("base", f"file:{path}"):
-            sync.install(name, kernel_source("gluon_forward"))
+            sync.install(name, gluon_kernel_source("gluon_forward"))
             fn = torch.compile(lambda q, k, v, n=name: flexattn.flex_attention(
                 q, k, v, score_mod=mod, block_mask=block_mask, kernel_options={"BACKEND": "GLUON"},
                 return_aux=flexattn.AuxRequest(max_scores=True)))

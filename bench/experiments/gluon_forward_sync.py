@@ -15,7 +15,7 @@ process on the issue #48 shapes:
 - noturn: as expect, without the turns between the two consumer warpgroups;
 - named: as expect, the turns through hardware named barriers (`bar.sync` / `bar.arrive` of
   both warpgroups' 256 threads, as FlashAttention-3 does), which no warp can overtake;
-- file:PATH: another kernel source (e.g. a branch's ``kernel_source("gluon_forward")``);
+- file:PATH: another kernel source (e.g. a branch's ``gluon_kernel_source("gluon_forward")``);
 - opt:KEY=VALUE: the template as it is, the call with kernel_options KEY=VALUE (JSON);
 - cfg:FIELD=VALUE: the template as it is, every head dim's default config with FIELD set;
 - nodense: the template as it is, calls with neither a block mask nor a score_mod on the
@@ -62,7 +62,7 @@ def _expect_arrivals(text: str) -> str:
 
 def variant_source(name: str, text: str) -> str:
     """The template's text for variant ``name`` (``file:PATH``: the kernel source saved in PATH,
-    e.g. another revision's ``kernel_source("gluon_forward")``; ``opt:KEY=VALUE``: the
+    e.g. another revision's ``gluon_kernel_source("gluon_forward")``; ``opt:KEY=VALUE``: the
     template as it is, the call with kernel_options KEY=VALUE; ``cfg:FIELD=VALUE``: the
     template as it is, every head dim's default config with FIELD (a GluonForwardConfig
     field, e.g. num_stages) set to VALUE)."""
@@ -194,8 +194,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--offline", metavar="OUT_DIR", help="write each variant's template text and stop")
     args = parser.parse_args()
-    from flexattn.templates import kernel_source
-    text = kernel_source("gluon_forward")
+    from flexattn.templates import gluon_kernel_source
+    text = gluon_kernel_source("gluon_forward")
     variants = args.variants.split(",")
     if args.offline:
         for name in variants:

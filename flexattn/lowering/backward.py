@@ -18,6 +18,7 @@ place (dQ through float32 atomics and a scaling afterwards with DQ_ATOMIC).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -36,12 +37,15 @@ from ..numerics import stats_dtype
 from ..templates import kernel_source
 from . import common
 from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, plan_buffer_grads
+from .backward_plan import BackwardInputs, plan_backward
 from .configs import backward as backward_configs
+from .configs import gluon_backward as gluon_backward_configs
 from .configs import tma as tma_configs
 from .configs.base import shared_memory_limit
 from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, gathered_tile_bytes
 
 aten = torch.ops.aten
+log = logging.getLogger("flexattn.lowering")
 TEMPLATE_NAME = "flexattn_backward"
 
 #: The specialisations that report_choice shows for the backward.
@@ -144,7 +148,11 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     subgraphs: list[Any] = [call.score_buffer, call.mask_buffer, grad_score_buffer, grad_plan.scatters,
                             *grad_plan.reduced]
 
-    dq_atomic = use_dq_atomics(kernel_options, device, dtype)
+    plan = plan_backward(backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, any(wants)))
+    log.info("flexattn: backward kernel %s (%s)", "Gluon" if plan.kernel == "gluon" else "Triton", plan.reason)
+    gluon = plan.kernel == "gluon"
+    # The Gluon backward adds dQ with float32 atomics (its DQ_ATOMIC form).
+    dq_atomic = gluon or use_dq_atomics(kernel_options, device, dtype)
     if dq_atomic:
         # Unscaled float32 sums of the atomic adds; scaled and cast after the kernel.
         grad_query = common.realize_fixed(lowerings[aten.full.default]([B, Hq, L, E], 0.0, dtype=torch.float32,
@@ -174,15 +182,15 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     dk_layout = ir.FixedLayout(device, dtype, [B, Hkv, S, E], ir.FlexibleLayout.contiguous_strides([B, Hkv, S, E]))
     grad_value = common.dense_buffer([B, Hkv, S, Ev], device, dtype)
 
-    candidates = backward_configs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
-                                                    bool(inductor_config.max_autotune), kernel_options)
-    usable = backward_configs.usable_configs(
-        candidates, kernel_options, sparse_q=call.sparse_q, sparse_kv=call.sparse_kv,
-        qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"], elem_bytes=dtype.itemsize,
-        smem_limit=shared_memory_limit(device),
-        gathered_bytes=(gathered_tile_bytes(fw_graph.graph_module, len(SCORE_MOD_ARGS))
-                        + gathered_tile_bytes(call.mask_graph.graph_module, len(MASK_MOD_ARGS))),
-        staged_dq=dq_atomic and spec["USE_TMA_DKDV"])
+    if gluon:
+        from .gluon_backward import TEMPLATE_NAME as GLUON_TEMPLATE_NAME
+        from .gluon_backward import gluon_backward_template
+        spec["USE_TMA"] = True
+        template, template_name, what = gluon_backward_template, GLUON_TEMPLATE_NAME, "Gluon backward"
+        usable = [gluon_backward_configs.SM90[spec["QK_HEAD_DIM"]]]
+    else:
+        template, template_name, what = backward_template, TEMPLATE_NAME, "backward"
+        usable = triton_backward_configs(device, spec, dtype, kernel_options, call, fw_graph, dq_atomic)
 
     tables = call.tables
     # The order of backward.py.jinja's def_kernel.
@@ -196,9 +204,10 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     scatter_grads = grad_plan.scatter_grads
     mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.reduced else [])
     choices, config_of_choice = common.template_choices(
-        backward_template, usable, "backward",
-        lambda cfg: {**spec, "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1,
-                     "BLOCK_M2": cfg.block_m2, "BLOCK_N2": cfg.block_n2, "ONE_KV_LOOP": cfg.one_kv_loop},
+        template, usable, what,
+        (lambda cfg: {**spec, **cfg.constexprs()}) if gluon else
+        (lambda cfg: {**spec, "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1,
+                      "BLOCK_M2": cfg.block_m2, "BLOCK_N2": cfg.block_n2, "ONE_KV_LOOP": cfg.one_kv_loop}),
         input_nodes=input_nodes,
         layout=dk_layout,
         subgraphs=subgraphs,
@@ -206,9 +215,9 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         call_sizes=[B, Hkv, L, S],
     )
     grad_key = _compat.autotune_select_node(
-        TEMPLATE_NAME, choices, input_nodes + common.captured_inputs(call) + scatter_grads, dk_layout,
+        template_name, choices, input_nodes + common.captured_inputs(call) + scatter_grads, dk_layout,
         input_gen_fns=common.benchmark_table_inputs(inputs, tables, call.has_full_blocks))
-    common.report_choice("backward", grad_key, config_of_choice, usable, spec, REPORTED_SPECIALISATIONS,
+    common.report_choice(what, grad_key, config_of_choice, usable, spec, REPORTED_SPECIALISATIONS,
                          query, key, value, kernel_options, started=started)
 
     grad_key = grad_key if isinstance(grad_key, ir.TensorBox) else ir.TensorBox(grad_key)
@@ -225,3 +234,44 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     if dq_atomic:
         grad_query = to_dtype(lowerings[aten.mul.Tensor](grad_query, float(scale)), dtype)
     return grad_query, grad_key, grad_value, buffer_grads
+
+
+def triton_backward_configs(device, spec, dtype, kernel_options, call, fw_graph, dq_atomic: bool) -> list:
+    """The Triton template's usable tile configurations for the call."""
+    candidates = backward_configs.candidate_configs(device, spec["QK_HEAD_DIM_PAD"], dtype,
+                                                    bool(inductor_config.max_autotune), kernel_options)
+    return backward_configs.usable_configs(
+        candidates, kernel_options, sparse_q=call.sparse_q, sparse_kv=call.sparse_kv,
+        qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"], elem_bytes=dtype.itemsize,
+        smem_limit=shared_memory_limit(device),
+        gathered_bytes=(gathered_tile_bytes(fw_graph.graph_module, len(SCORE_MOD_ARGS))
+                        + gathered_tile_bytes(call.mask_graph.graph_module, len(MASK_MOD_ARGS))),
+        staged_dq=dq_atomic and spec["USE_TMA_DKDV"])
+
+
+def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, buffer_grads: bool):
+    """A call's ``BackwardInputs`` (the nodes realized, as the lowering has them)."""
+    from .._compat import triton_interpreter_requested
+    from .forward_plan import gluon_available
+
+    device = query.get_device()
+    sizevars = V.graph.sizevars
+    obstacle = None
+    for node, name in ((query, "query"), (key, "key"), (value, "value"), (grad_out, "output gradient")):
+        obstacle = obstacle or common.tma_obstacle(node, name)
+    return BackwardInputs(
+        device_type=device.type,
+        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        interpreter=triton_interpreter_requested(),
+        gluon_available=gluon_available(),
+        dtype=query.get_dtype(),
+        qk_head_dim=sizevars.guard_int(query.get_size()[-1]),
+        v_head_dim=sizevars.guard_int(value.get_size()[-1]),
+        sparse_q=call.sparse_q,
+        sparse_kv=call.sparse_kv,
+        has_dropout=dropout_seed is not None,
+        buffer_grads=buffer_grads,
+        deterministic=common.deterministic_requested(kernel_options),
+        tma_obstacle=obstacle,
+        backend=_options.read(kernel_options, "BWD_BACKEND"),
+    )

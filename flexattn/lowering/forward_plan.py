@@ -68,16 +68,26 @@ class ForwardPlan:
     reason: str
 
 
+def gluon_device_obstacle(device_type: str, capability: tuple[int, int] | None, interpreter: bool,
+                          gluon_available: bool, dtype: torch.dtype, what: str) -> str | None:
+    """Why no Gluon kernel (``what``: its name in the reason) runs on this device and dtype."""
+    if device_type != "cuda" or interpreter:
+        return f"device {device_type}{' (interpreter)' if interpreter else ''} is not a Hopper GPU"
+    if capability != (9, 0):
+        return f"compute capability {capability} is not sm90"
+    if not gluon_available:
+        return "this Triton has no Gluon Hopper API"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} ({what} takes float16 and bfloat16)"
+    return None
+
+
 def _gluon_obstacle(inputs: ForwardInputs) -> str | None:
     """Why the Gluon kernel cannot run the call (None: it can)."""
-    if inputs.device_type != "cuda" or inputs.interpreter:
-        return f"device {inputs.device_type}{' (interpreter)' if inputs.interpreter else ''} is not a Hopper GPU"
-    if inputs.capability != (9, 0):
-        return f"compute capability {inputs.capability} is not sm90"
-    if not inputs.gluon_available:
-        return "this Triton has no Gluon Hopper API"
-    if inputs.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {inputs.dtype} (the Gluon kernel takes float16 and bfloat16)"
+    obstacle = gluon_device_obstacle(inputs.device_type, inputs.capability, inputs.interpreter,
+                                     inputs.gluon_available, inputs.dtype, "the Gluon kernel")
+    if obstacle is not None:
+        return obstacle
     if inputs.kv_dtype != inputs.dtype:
         return f"key/value dtype {inputs.kv_dtype} differs from the query's {inputs.dtype}"
     if inputs.qk_head_dim not in gluon_configs.SM90 or inputs.v_head_dim not in gluon_configs.SM90:

@@ -17,7 +17,7 @@ from torch._inductor.select_algorithm import SymbolicGridFn
 
 from .. import _compat
 from .. import options as _options
-from ..templates import kernel_source
+from ..templates import gluon_kernel_source
 from . import common
 from .configs import gluon_forward as gluon_configs
 from .configs.base import multiprocessor_count
@@ -50,7 +50,7 @@ def paired_q_tiles(batch: int, q_heads: int, q_len: int, block_m: int, meta) -> 
 gluon_forward_template = GluonTemplate(
     name=TEMPLATE_NAME,
     grid=gluon_forward_grid,
-    source=kernel_source("gluon_forward"),
+    source=gluon_kernel_source("gluon_forward"),
 )
 
 

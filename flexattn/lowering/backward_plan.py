@@ -1,0 +1,82 @@
+"""Which backward kernel a call takes: the Triton template, or the Gluon kernel for
+Hopper (``templates/gluon_backward.py.jinja``, being built).
+
+A pure function of a frozen ``BackwardInputs``. kernel_options BWD_BACKEND="GLUON" forces
+the Gluon kernel (a ValueError naming the obstacle where it cannot run the call); AUTO
+keeps the Triton template until the Gluon backward has been measured on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .configs import gluon_backward as gluon_configs
+from .forward_plan import gluon_device_obstacle
+
+
+@dataclass(frozen=True)
+class BackwardInputs:
+    """What the backward kernel choice depends on."""
+
+    device_type: str
+    #: (major, minor) of a CUDA device, else None.
+    capability: tuple[int, int] | None
+    interpreter: bool
+    gluon_available: bool
+    dtype: torch.dtype
+    qk_head_dim: int
+    v_head_dim: int
+    sparse_q: int
+    sparse_kv: int
+    has_dropout: bool
+    #: Captured tensors that need gradients (the Gluon kernel does not form them yet).
+    buffer_grads: bool
+    #: Deterministic mode (the Gluon kernel adds dQ with float atomics).
+    deterministic: bool
+    #: Why Q, K, V or dO cannot be read through tensor descriptors (None: they can).
+    tma_obstacle: str | None
+    backend: str
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    kernel: str  # "gluon" or "triton"
+    reason: str
+
+
+def _gluon_obstacle(inputs: BackwardInputs) -> str | None:
+    """Why the Gluon backward cannot run the call (None: it can)."""
+    obstacle = gluon_device_obstacle(inputs.device_type, inputs.capability, inputs.interpreter,
+                                     inputs.gluon_available, inputs.dtype, "the Gluon backward")
+    if obstacle is not None:
+        return obstacle
+    if inputs.qk_head_dim != inputs.v_head_dim or inputs.qk_head_dim not in gluon_configs.SM90:
+        return (f"head dims {inputs.qk_head_dim}/{inputs.v_head_dim} (the Gluon backward takes equal head dims "
+                f"in {sorted(gluon_configs.SM90)})")
+    cfg = gluon_configs.SM90[inputs.qk_head_dim]
+    if inputs.sparse_q % cfg.block_m or inputs.sparse_kv % cfg.block_n:
+        return (f"BlockMask block size ({inputs.sparse_q}, {inputs.sparse_kv}) is not a multiple of the "
+                f"Gluon backward's tile ({cfg.block_m}, {cfg.block_n})")
+    if inputs.has_dropout:
+        return "dropout (the Triton backward regenerates the keep mask)"
+    if inputs.buffer_grads:
+        return "gradients of captured tensors (the Triton backward forms them)"
+    if inputs.deterministic:
+        return "deterministic mode (the Gluon backward adds dQ with float atomics)"
+    if inputs.tma_obstacle is not None:
+        return inputs.tma_obstacle
+    return None
+
+
+def plan_backward(inputs: BackwardInputs) -> BackwardPlan:
+    """The backward kernel of a call and why."""
+    if inputs.backend == "TRITON":
+        return BackwardPlan("triton", "kernel_options BWD_BACKEND='TRITON'")
+    obstacle = _gluon_obstacle(inputs)
+    if inputs.backend == "GLUON":
+        if obstacle is not None:
+            raise ValueError(f"flexattn: kernel_options BWD_BACKEND='GLUON' cannot run this call: {obstacle}")
+        return BackwardPlan("gluon", "kernel_options BWD_BACKEND='GLUON'")
+    return BackwardPlan("triton", obstacle or "the Gluon backward is not yet measured (BWD_BACKEND='GLUON' takes it)")

@@ -1,0 +1,43 @@
+"""Tile configurations of the Gluon backward kernel (``templates/gluon_backward.py.jinja``).
+
+A ``GluonBackwardConfig`` is one launch shape of the warp-specialised backward: the keys
+of a program (two consumer warpgroups of BLOCK_N / 2), the query tile each step reads,
+the depth of the Q/dO ring and the register budgets of the producer and the consumers.
+Keyed by the head dim (QK and V alike: 64 or 128). Not yet measured: the structure's
+readings so far come from the standalone probe (bench/experiments/gluon_backward_probe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import TileConfig
+
+
+@dataclass(frozen=True)
+class GluonBackwardConfig(TileConfig):
+    """One launch configuration of the Gluon backward template."""
+
+    block_m: int
+    block_n: int
+    num_stages: int
+    #: Registers per thread of the one-warp producer and of the worker consumer warpgroup
+    #: (the default warpgroup takes the rest of 168 a warpgroup): the probe's budgets.
+    load_regs: int = 24
+    mma_regs: int = 240
+    num_warps: int = 4
+
+    OPTION_NAMES: ClassVar[dict[str, str]] = {}
+    OPTION_PREFIX: ClassVar[str] = "bwd_"
+
+    def constexprs(self) -> dict[str, int]:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_STAGES": self.num_stages,
+                "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs}
+
+
+#: By head dim (sm90, 16-bit inputs).
+SM90: dict[int, GluonBackwardConfig] = {
+    64: GluonBackwardConfig(64, 128, 2),
+    128: GluonBackwardConfig(64, 128, 2),
+}
