@@ -1,9 +1,10 @@
 """Which backward kernel a call takes: the Triton template, or the Gluon kernel for
-Hopper (``templates/gluon_backward.py.jinja``, being built).
+Hopper (``templates/gluon_backward.py.jinja``).
 
 A pure function of a frozen ``BackwardInputs``. kernel_options BWD_BACKEND="GLUON" forces
 the Gluon kernel (a ValueError naming the obstacle where it cannot run the call); AUTO
-keeps the Triton template until the Gluon backward has been measured on the GPU.
+keeps the Triton template, which the Gluon backward does not yet beat
+(bench/DECISIONS.md#gluon-backward-default).
 """
 
 from __future__ import annotations
@@ -79,4 +80,5 @@ def plan_backward(inputs: BackwardInputs) -> BackwardPlan:
         if obstacle is not None:
             raise ValueError(f"flexattn: kernel_options BWD_BACKEND='GLUON' cannot run this call: {obstacle}")
         return BackwardPlan("gluon", "kernel_options BWD_BACKEND='GLUON'")
-    return BackwardPlan("triton", obstacle or "the Gluon backward is not yet measured (BWD_BACKEND='GLUON' takes it)")
+    return BackwardPlan("triton", obstacle or "the Gluon backward measured no faster than the Triton one on sm90 "
+                       "(BWD_BACKEND='GLUON' takes it)")
