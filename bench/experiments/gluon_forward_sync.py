@@ -17,7 +17,7 @@ process on the issue #48 shapes:
   both warpgroups' 256 threads, as FlashAttention-3 does), which no warp can overtake;
 - file:PATH: another kernel source (e.g. a branch's ``gluon_kernel_source("gluon_forward")``);
 - opt:KEY=VALUE: the template as it is, the call with kernel_options KEY=VALUE (JSON);
-- cfg:FIELD=VALUE: the template as it is, every head dim's default config with FIELD set;
+- cfg:FIELD=VALUE: the template as it is, every head dim's default configs with FIELD set;
 - nodense: the template as it is, calls with neither a block mask nor a score_mod on the
   configs of other calls (two consumer warpgroups at D=64 instead of three).
 
@@ -143,26 +143,28 @@ def mask_mod(kind, S):
 
 @contextlib.contextmanager
 def variant_configs(name: str):
-    """For a ``cfg:FIELD=VALUE`` variant, the default configs with FIELD set, and for
-    ``nodense`` no three-warpgroup configs, while its call compiles."""
+    """For a ``cfg:FIELD=VALUE`` variant, the default configs (both tables) with FIELD set,
+    and for ``nodense`` no three-warpgroup configs, while its call compiles."""
     from flexattn.lowering.configs import gluon_forward as gluon_configs
     if name == "nodense":
-        table, replaced = gluon_configs.UNMODIFIED_SM90, {}
+        changes = [(gluon_configs.UNMODIFIED_SM90, {})]
     elif name.startswith("cfg:"):
         field, value = name[len("cfg:"):].split("=", 1)
-        table = gluon_configs.SM90
-        replaced = {d: dataclasses.replace(c, **{field: int(value)}) for d, c in table.items()}
+        changes = [(table, {d: dataclasses.replace(c, **{field: int(value)}) for d, c in table.items()})
+                   for table in (gluon_configs.SM90, gluon_configs.UNMODIFIED_SM90)]
     else:
         yield
         return
-    saved = dict(table)
-    table.clear()
-    table.update(replaced)
+    saved = [dict(table) for table, _ in changes]
+    for table, replaced in changes:
+        table.clear()
+        table.update(replaced)
     try:
         yield
     finally:
-        table.clear()
-        table.update(saved)
+        for (table, _), old in zip(changes, saved):
+            table.clear()
+            table.update(old)
 
 
 def variant_options(name: str) -> dict:
