@@ -42,6 +42,8 @@ def timed(fn, q, k, v, grad):
         if args.mode == "fwdbwd":
             out.backward(grad)
         return out
+    # do_bench leaves its last call's gradients behind: cleared, or this call's would add to them.
+    q.grad = k.grad = v.grad = None
     out = step()
     dq = None
     if args.mode == "fwdbwd":
