@@ -1,18 +1,28 @@
 """Is the Gluon backward (kernel_options BWD_BACKEND="GLUON", issue #50) faster than the
-Triton template's, and by how much does each trail FLASH's?
+Triton template's, and where does its time go?
 
     PYTHONPATH=. python bench/experiments/gluon_backward_ab.py [--cases causal_s8192_d128,...] [--rounds 3]
+        [--variants TRITON,GLUON,GLUON:nodq,GLUON:noadd,GLUON:overlap,GLUON:file:PATH]
+    PYTHONPATH=. python bench/experiments/gluon_backward_ab.py --offline OUT_DIR --variants ...   # CPU: texts only
 
 Forward+backward of flexattn's compiled flex_attention with the backward on the Triton
-template and on the Gluon kernel (the same forward), bf16, B=4 H=16 (D=256: B=2), medians
-of rounds taken in turn (do_bench), TFLOP/s over the unmasked entries (forward 4 and
-backward 10 multiply-adds x2 per entry and head dim), and the largest difference of the
-Gluon run's gradients from the template's.
+template and on the Gluon kernel (the same forward), bf16, B=4 H=16, medians of rounds
+taken in turn (do_bench), TFLOP/s over the unmasked entries (forward 4 and backward 10
+multiply-adds x2 per entry and head dim), and the largest difference of each run's
+gradients from the first variant's. Variants of the Gluon template's text:
+
+- GLUON:nodq: without the dQ products and their adds (its dQ is 0: what dQ costs);
+- GLUON:noadd: the dQ products and their shared-memory stores, no bulk adds (dQ is 0: what
+  the adds cost);
+- GLUON:overlap: a tile's first dQ column half issued with dV and dK and waited with them,
+  the second issued before the first is stored and added;
+- GLUON:file:PATH: another template text.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 import torch
@@ -22,6 +32,72 @@ from flexattn import mods
 
 sys.path.insert(0, "bench")
 from _tuning import allow_recompiles, medians_in_turn  # noqa: E402
+
+_DQ_LOOP = re.compile(r"\n            # This warpgroup's keys' share of the tile's dQ.*?buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)\n",
+                      re.S)
+_ADD = re.compile(r"\n +tma_atomic_add\(dq_desc,[^\n]*\n[^\n]*buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)")
+_OVERLAP_FROM = """            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_low, op_layout), q_tile, dk, is_async=True)
+"""
+_OVERLAP_TO = """            ds_w.store(ds_low)
+            fence_async_shared()
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_low, op_layout), q_tile, dk, is_async=True)
+            dq0 = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(0, HALF_D, dim=1), no_dq, use_acc=False, is_async=True)
+            dv, dk, dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq0))
+            mbarrier.arrive(tile_free.index(stage))
+            dq1 = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(HALF_D, HALF_D, dim=1), no_dq, use_acc=False,
+                                is_async=True)
+            buf0 = dq_smem.index(WARPGROUP * 2)
+            tma.store_wait(1)
+            buf0.store(dq0)
+            fence_async_shared()
+            tma_atomic_add(dq_desc, [off_z.to(gl.int32), off_hq.to(gl.int32), start_m.to(gl.int32), 0],
+                           buf0.reshape([1, 1, BLOCK_M, HALF_D]))
+            dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1, ))
+            buf1 = dq_smem.index(WARPGROUP * 2 + 1)
+            tma.store_wait(1)
+            buf1.store(dq1)
+            fence_async_shared()
+            tma_atomic_add(dq_desc, [off_z.to(gl.int32), off_hq.to(gl.int32), start_m.to(gl.int32), HALF_D],
+                           buf1.reshape([1, 1, BLOCK_M, HALF_D]))
+"""
+_OVERLAP_DROP = re.compile(r"            # dS\^T to shared memory for the dQ products.*?buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)\n",
+                           re.S)
+
+
+def _sub_once(pattern: re.Pattern, repl: str, text: str) -> str:
+    out, n = pattern.subn(repl, text)
+    assert n >= 1, f"the template no longer has the text {pattern.pattern[:60]!r}"
+    return out
+
+
+def variant_source(name: str, text: str) -> str:
+    """The Gluon backward template's text for variant ``name`` (see the module docstring)."""
+    kind = name.split(":", 1)[1] if ":" in name else ""
+    if kind == "":
+        return text
+    if kind == "nodq":
+        return _sub_once(_DQ_LOOP, "\n", text)
+    if kind == "noadd":
+        return _sub_once(_ADD, "", text)
+    if kind == "overlap":
+        assert text.count(_OVERLAP_FROM) == 1
+        return _sub_once(_OVERLAP_DROP, "", text.replace(_OVERLAP_FROM, _OVERLAP_TO))
+    if kind.startswith("file:"):
+        return open(kind[len("file:"):]).read()
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def install(name: str, text: str, templates: dict = {}) -> None:  # noqa: B006 - one template per name per process
+    """Point the lowering at variant ``name``'s Gluon backward template."""
+    from flexattn.lowering import gluon_backward
+    from flexattn.lowering.gluon_template import GluonTemplate
+
+    if name not in templates:
+        templates[name] = GluonTemplate(name=f"{gluon_backward.TEMPLATE_NAME}_{len(templates)}",
+                                        grid=gluon_backward.gluon_backward_grid, source=variant_source(name, text))
+    gluon_backward.gluon_backward_template = templates[name]
 
 # name: (B, H, S, D, causal)
 CASES = {
@@ -36,8 +112,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default="TRITON,GLUON")
+    parser.add_argument("--offline", metavar="OUT_DIR", help="write each Gluon variant's template text and stop")
     args = parser.parse_args()
+    from flexattn.templates import gluon_kernel_source
+    text = gluon_kernel_source("gluon_backward")
+    variants = args.variants.split(",")
+    if args.offline:
+        for name in variants:
+            if name.startswith("GLUON"):
+                stem = re.sub(r"\W", "_", name)
+                with open(f"{args.offline}/gluon_backward_{stem}.py.jinja", "w") as f:
+                    f.write(variant_source(name, text))
+        return
+    from torch._inductor import config as inductor_config
     allow_recompiles()
+    inductor_config.force_disable_caches = True
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
     for case in args.cases.split(","):
         B, H, S, D, causal = CASES[case]
@@ -47,7 +137,10 @@ def main() -> None:
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
         block_mask = flexattn.create_block_mask(mods.causal_mask, None, None, S, S) if causal else None
         steps, grads = {}, {}
-        for backend in ("TRITON", "GLUON"):
+        for name in variants:
+            backend = name.split(":", 1)[0]
+            if backend == "GLUON":
+                install(name, text)
             fn = torch.compile(lambda q, k, v, b=backend: flexattn.flex_attention(
                 q, k, v, block_mask=block_mask, kernel_options={"BWD_BACKEND": b}))
 
@@ -57,19 +150,19 @@ def main() -> None:
 
             try:
                 step()
-                grads[backend] = [t.grad.clone() for t in (q, k, v)]
-                steps[backend] = step
+                grads[name] = [t.grad.clone() for t in (q, k, v)]
+                steps[name] = step
             except Exception as e:  # noqa: BLE001 - a variant that fails is a reading
-                print(json.dumps({"case": case, "backend": backend, "error": f"{type(e).__name__}: {str(e)[:300]}"}))
+                print(json.dumps({"case": case, "variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}))
         ms = medians_in_turn(steps, rounds=args.rounds)
         flops = 2 * (2 + 5) * B * H * S * S * D * (0.5 if causal else 1.0)
         row = {"case": case, "ms": {n: round(t, 3) for n, t in ms.items()},
                "fwdbwd_tflops": {n: round(flops / (t * 1e-3) / 1e12, 1) for n, t in ms.items()}}
-        if len(grads) == 2:
-            row["maxdiff_grads"] = [float((a.float() - b.float()).abs().max()) for a, b in zip(grads["TRITON"],
-                                                                                              grads["GLUON"])]
+        first = next(iter(grads), None)
+        if first is not None:
+            row[f"maxdiff_grads_vs_{first}"] = {
+                n: [float((a.float() - b.float()).abs().max()) for a, b in zip(grads[first], g)] for n, g in grads.items()}
         print(json.dumps(row), flush=True)
-
 
 if __name__ == "__main__":
     main()
