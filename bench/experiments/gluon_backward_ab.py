@@ -108,6 +108,18 @@ CASES = {
 }
 
 
+def compiled_call(tag: str, backend: str, block_mask):
+    """A compiled forward whose code object is its own: Dynamo keys its graphs by code object
+    and guards, which variants of one backend share, so a shared lambda would run the first
+    variant's kernel for all of them."""
+    namespace = {"flexattn": flexattn, "block_mask": block_mask}
+    source = (f"def call_{tag}(q, k, v):\n"
+              f"    return flexattn.flex_attention(q, k, v, block_mask=block_mask,\n"
+              f"                                   kernel_options={{'BWD_BACKEND': {backend!r}}})\n")
+    exec(compile(source, f"<gluon_backward_ab {tag}>", "exec"), namespace)
+    return torch.compile(namespace[f"call_{tag}"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(CASES))
@@ -141,8 +153,7 @@ def main() -> None:
             backend = name.split(":", 1)[0]
             if backend == "GLUON":
                 install(name, text)
-            fn = torch.compile(lambda q, k, v, b=backend: flexattn.flex_attention(
-                q, k, v, block_mask=block_mask, kernel_options={"BWD_BACKEND": b}))
+            fn = compiled_call(re.sub(r"\W", "_", f"{name}_{case}"), backend, block_mask)
 
             def step(fn=fn):
                 q.grad = k.grad = v.grad = None

@@ -3,8 +3,8 @@ Hopper (``templates/gluon_backward.py.jinja``).
 
 A pure function of a frozen ``BackwardInputs``. kernel_options BWD_BACKEND="GLUON" forces
 the Gluon kernel (a ValueError naming the obstacle where it cannot run the call); AUTO
-keeps the Triton template, which the Gluon backward does not yet beat
-(bench/DECISIONS.md#gluon-backward-default).
+keeps the Triton template until the Gluon backward is measured beyond dense and causal
+calls (bench/DECISIONS.md#gluon-backward-default).
 """
 
 from __future__ import annotations
@@ -80,5 +80,5 @@ def plan_backward(inputs: BackwardInputs) -> BackwardPlan:
         if obstacle is not None:
             raise ValueError(f"flexattn: kernel_options BWD_BACKEND='GLUON' cannot run this call: {obstacle}")
         return BackwardPlan("gluon", "kernel_options BWD_BACKEND='GLUON'")
-    return BackwardPlan("triton", obstacle or "the Gluon backward measured no faster than the Triton one on sm90 "
-                       "(BWD_BACKEND='GLUON' takes it)")
+    return BackwardPlan("triton", obstacle or "the Gluon backward is opt-in until measured beyond dense and causal "
+                       "calls (BWD_BACKEND='GLUON' takes it)")
