@@ -25,6 +25,15 @@ def allow_recompiles() -> None:
     torch._dynamo.config.automatic_dynamic_shapes = False
 
 
+def compiled_own_code(name: str, signature: str, body: str, namespace: dict) -> Callable:
+    """``torch.compile`` of ``def name(signature): body`` made from source, so that it has a
+    code object of its own: Dynamo keys its graphs by code object and guards, which calls
+    differing only in a variant of a template (installed between compiles) share."""
+    source = f"def {name}({signature}):\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    exec(compile(source, f"<{name}>", "exec"), namespace)
+    return torch.compile(namespace[name])
+
+
 def grid_settings(grid_json: str) -> list[dict]:
     """Every combination of a ``--grid`` JSON object (kernel_options key -> list of
     values) as one kernel_options dict; [{}] for an empty grid."""

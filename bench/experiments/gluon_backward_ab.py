@@ -31,7 +31,7 @@ import flexattn
 from flexattn import mods
 
 sys.path.insert(0, "bench")
-from _tuning import allow_recompiles, medians_in_turn  # noqa: E402
+from _tuning import allow_recompiles, compiled_own_code, medians_in_turn  # noqa: E402
 
 _DQ_LOOP = re.compile(r"\n            # This warpgroup's keys' share of the tile's dQ.*?buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)\n",
                       re.S)
@@ -108,18 +108,6 @@ CASES = {
 }
 
 
-def compiled_call(tag: str, backend: str, block_mask):
-    """A compiled forward whose code object is its own: Dynamo keys its graphs by code object
-    and guards, which variants of one backend share, so a shared lambda would run the first
-    variant's kernel for all of them."""
-    namespace = {"flexattn": flexattn, "block_mask": block_mask}
-    source = (f"def call_{tag}(q, k, v):\n"
-              f"    return flexattn.flex_attention(q, k, v, block_mask=block_mask,\n"
-              f"                                   kernel_options={{'BWD_BACKEND': {backend!r}}})\n")
-    exec(compile(source, f"<gluon_backward_ab {tag}>", "exec"), namespace)
-    return torch.compile(namespace[f"call_{tag}"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(CASES))
@@ -153,7 +141,10 @@ def main() -> None:
             backend = name.split(":", 1)[0]
             if backend == "GLUON":
                 install(name, text)
-            fn = compiled_call(re.sub(r"\W", "_", f"{name}_{case}"), backend, block_mask)
+            fn = compiled_own_code(re.sub(r"\W", "_", f"call_{name}_{case}"), "q, k, v",
+                                   f"return flexattn.flex_attention(q, k, v, block_mask=block_mask, "
+                                   f"kernel_options={{'BWD_BACKEND': {backend!r}}})",
+                                   {"flexattn": flexattn, "block_mask": block_mask})
 
             def step(fn=fn):
                 q.grad = k.grad = v.grad = None

@@ -178,15 +178,13 @@ def variant_options(name: str) -> dict:
 
 def compiled_call(tag: str, options: dict):
     """A compiled flexattn forward whose code object is its own, so Dynamo keeps one graph per variant."""
-    import torch
-
     import flexattn
-    namespace = {"flexattn": flexattn}
-    source = (f"def forward_{tag}(q, k, v, block_mask, score_mod):\n"
-              f"    return flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
-              f"                                   kernel_options={options!r})\n")
-    exec(compile(source, f"<gluon_forward_sync {tag}>", "exec"), namespace)
-    return torch.compile(namespace[f"forward_{tag}"])
+    sys.path.insert(0, "bench")
+    from _tuning import compiled_own_code
+    return compiled_own_code(f"forward_{tag}", "q, k, v, block_mask, score_mod",
+                             "return flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
+                             f"                               kernel_options={options!r})",
+                             {"flexattn": flexattn})
 
 
 def main() -> None:
