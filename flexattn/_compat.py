@@ -361,6 +361,7 @@ __all__ = [
     "selective_checkpoint_modes",
     "compiled_graph_count",
     "compile_gluon_kernels_as_gluon",
+    "gluon_tma_atomic_add",
     "make_fx",
     "pytree",
     "reenable_autograd",
