@@ -18,8 +18,11 @@ GPUS=${GPUS:-1}
 # left half of them idle). WORKERS=n overrides it.
 export WORKERS=${WORKERS:-$(( $(nproc) / GPUS > 6 ? $(nproc) / GPUS - 2 : 4 ))}
 if [ "$GPUS" -gt 1 ]; then
-  # One import first, so the shards' workers do not all read torch from a cold disk at once.
-  python3 -c "import torch, triton, flexattn" >/dev/null 2>&1
+  # One import first, so the shards' workers do not all read torch from a cold disk at once,
+  # and the CPU engine built once into Inductor's on-disk cache before the workers start:
+  # otherwise tests on the CPU path wait on one build made under every worker's compile
+  # load (some such tests took 100-205 s in a suite run; the build's share is unmeasured).
+  python3 -c "import torch, triton, flexattn; from flexattn.cpu import build; build.engine()" >/dev/null 2>&1
   for i in $(seq 1 "$GPUS"); do
     # (A prefix assignment sees the ones before it, so these are named first.)
     SHARD="$i/$GPUS" SHARD_OUT="$OUT/shard$i"
@@ -49,6 +52,8 @@ if python3 -c "import xdist" >/dev/null 2>&1; then
   # cpu_count compile processes, too many for a multi-GPU host's shards.
   export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 fi
+# (A single-shard run builds the CPU engine first for the same reason; a no-op once cached.)
+[ "${FLEXATTN_SHARD:-}" ] || python3 -c "from flexattn.cpu import build; build.engine()" >/dev/null 2>&1
 {
   nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
