@@ -1,6 +1,7 @@
 """Shared setup of the GPU tools (tune.py, profiler.py, ab_decode.py, ab_forward.py and the
 experiments): Dynamo settings for many pinned compiles, the ``--grid`` product, medians
-taken in rounds in turn, and a parser for tools whose options depend on ``--kernel``."""
+taken in rounds in turn, a parser for tools whose options depend on ``--kernel``, and
+template variants of the Gluon kernels compiled apart."""
 
 from __future__ import annotations
 
@@ -32,6 +33,24 @@ def compiled_own_code(name: str, signature: str, body: str, namespace: dict) -> 
     source = f"def {name}({signature}):\n" + "".join(f"    {line}\n" for line in body.splitlines())
     exec(compile(source, f"<{name}>", "exec"), namespace)
     return torch.compile(namespace[name])
+
+
+_GLUON_TEMPLATES: dict[tuple[str, str], Any] = {}
+
+
+def install_gluon_template(kernel: str, name: str, source: str) -> None:
+    """Point flexattn's lowering of the Gluon ``kernel`` ("forward" or "backward") at the
+    template text ``source``, known as variant ``name``: Inductor keeps one template per
+    name for the process, so each variant's is built once and later calls reuse it."""
+    import importlib
+
+    from flexattn.lowering.gluon_template import GluonTemplate
+
+    module = importlib.import_module(f"flexattn.lowering.gluon_{kernel}")
+    if (kernel, name) not in _GLUON_TEMPLATES:
+        _GLUON_TEMPLATES[kernel, name] = GluonTemplate(name=f"{module.TEMPLATE_NAME}_{len(_GLUON_TEMPLATES)}",
+                                                       grid=getattr(module, f"gluon_{kernel}_grid"), source=source)
+    setattr(module, f"gluon_{kernel}_template", _GLUON_TEMPLATES[kernel, name])
 
 
 def grid_settings(grid_json: str) -> list[dict]:

@@ -146,7 +146,8 @@ OPTIONS: tuple[KernelOption, ...] = (
                  choices=("AUTO", "TRITON", "GLUON", "TRITON_DECODE", "FLASH")),
     KernelOption("BWD_BACKEND", "str", "AUTO", _BWD,
                  "which backward kernel: AUTO (flexattn's choice: the Triton template), TRITON, GLUON (the "
-                 "warp-specialised Hopper backward, opt-in until measured beyond dense and causal calls; an error where it does not cover the call)",
+                 "warp-specialised Hopper backward, opt-in until measured beyond dense and causal calls; an "
+                 "error where it does not cover the call)",
                  choices=("AUTO", "TRITON", "GLUON")),
     KernelOption("NUM_PROGRAMS", "int", PER_CALL, ("forward",),
                  "Gluon forward: programs launched, each walking every n-th unit of the call (one query "

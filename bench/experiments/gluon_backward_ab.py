@@ -31,11 +31,12 @@ import flexattn
 from flexattn import mods
 
 sys.path.insert(0, "bench")
-from _tuning import allow_recompiles, compiled_own_code, medians_in_turn  # noqa: E402
+from _tuning import (allow_recompiles, compiled_own_code, install_gluon_template,  # noqa: E402
+                     medians_in_turn)
 
-_DQ_LOOP = re.compile(r"\n            # This warpgroup's keys' share of the tile's dQ.*?buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)\n",
-                      re.S)
-_ADD = re.compile(r"\n +tma_atomic_add\(dq_desc,[^\n]*\n[^\n]*buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)")
+_DQ_END = r"buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)"
+_DQ_LOOP = re.compile(r"\n            # This warpgroup's keys' share of the tile's dQ.*?" + _DQ_END + r"\n", re.S)
+_ADD = re.compile(r"\n +tma_atomic_add\(dq_desc,[^\n]*\n[^\n]*" + _DQ_END)
 _OVERLAP_FROM = """            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(ds_low, op_layout), q_tile, dk, is_async=True)
 """
@@ -62,8 +63,7 @@ _OVERLAP_TO = """            ds_w.store(ds_low)
             tma_atomic_add(dq_desc, [off_z.to(gl.int32), off_hq.to(gl.int32), start_m.to(gl.int32), HALF_D],
                            buf1.reshape([1, 1, BLOCK_M, HALF_D]))
 """
-_OVERLAP_DROP = re.compile(r"            # dS\^T to shared memory for the dQ products.*?buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)\n",
-                           re.S)
+_OVERLAP_DROP = re.compile(r"            # dS\^T to shared memory for the dQ products.*?" + _DQ_END + r"\n", re.S)
 
 
 def _sub_once(pattern: re.Pattern, repl: str, text: str) -> str:
@@ -88,16 +88,6 @@ def variant_source(name: str, text: str) -> str:
         return open(kind[len("file:"):]).read()
     raise ValueError(f"unknown variant {name!r}")
 
-
-def install(name: str, text: str, templates: dict = {}) -> None:  # noqa: B006 - one template per name per process
-    """Point the lowering at variant ``name``'s Gluon backward template."""
-    from flexattn.lowering import gluon_backward
-    from flexattn.lowering.gluon_template import GluonTemplate
-
-    if name not in templates:
-        templates[name] = GluonTemplate(name=f"{gluon_backward.TEMPLATE_NAME}_{len(templates)}",
-                                        grid=gluon_backward.gluon_backward_grid, source=variant_source(name, text))
-    gluon_backward.gluon_backward_template = templates[name]
 
 # name: (B, H, S, D, causal)
 CASES = {
@@ -140,7 +130,7 @@ def main() -> None:
         for name in variants:
             backend = name.split(":", 1)[0]
             if backend == "GLUON":
-                install(name, text)
+                install_gluon_template("backward", name, variant_source(name, text))
             fn = compiled_own_code(re.sub(r"\W", "_", f"call_{name}_{case}"), "q, k, v",
                                    f"return flexattn.flex_attention(q, k, v, block_mask=block_mask, "
                                    f"kernel_options={{'BWD_BACKEND': {backend!r}}})",
@@ -162,8 +152,8 @@ def main() -> None:
                "fwdbwd_tflops": {n: round(flops / (t * 1e-3) / 1e12, 1) for n, t in ms.items()}}
         first = next(iter(grads), None)
         if first is not None:
-            row[f"maxdiff_grads_vs_{first}"] = {
-                n: [float((a.float() - b.float()).abs().max()) for a, b in zip(grads[first], g)] for n, g in grads.items()}
+            row[f"maxdiff_grads_vs_{first}"] = {n: [float((a.float() - b.float()).abs().max())
+                                                    for a, b in zip(grads[first], g)] for n, g in grads.items()}
         print(json.dumps(row), flush=True)
 
 if __name__ == "__main__":

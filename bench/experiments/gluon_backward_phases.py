@@ -183,21 +183,6 @@ def instrumented(text: str, read: tuple = PHASES) -> str:
     return out + _CLOCK_HELPER
 
 
-_TEMPLATES: dict = {}
-
-
-def install(name: str, text: str):
-    """Point the Gluon backward lowering at the template ``text`` (Inductor keeps one template
-    per name for the process, so each is built once)."""
-    from flexattn.lowering import gluon_backward
-    from flexattn.lowering.gluon_template import GluonTemplate
-
-    if name not in _TEMPLATES:
-        _TEMPLATES[name] = GluonTemplate(name=f"{gluon_backward.TEMPLATE_NAME}_{name}_{len(_TEMPLATES)}",
-                                         grid=gluon_backward.gluon_backward_grid, source=text)
-    gluon_backward.gluon_backward_template = _TEMPLATES[name]
-
-
 def read_phases(grad_v, block_n: int, read: tuple = PHASES) -> dict:
     """{warpgroup: {phase: mean cycles per query tile, ...}} from the instrumented call's dV
     (contiguous [B, KV heads, KV_LEN, D]): each slot's value is the mean over the warpgroup's
@@ -286,7 +271,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     sys.path.insert(0, "bench")
     import gluon_forward_sync as sync  # noqa: E402
-    from _tuning import allow_recompiles
+    from _tuning import allow_recompiles, install_gluon_template
     allow_recompiles()
     inductor_config.force_disable_caches = True
     # The backward alone is timed through retain_graph, which donated buffers forbid.
@@ -308,7 +293,7 @@ def main() -> None:
         cfg = gluon_configs.SM90[D]
         row = {"case": case, "block_m": cfg.block_m, "block_n": cfg.block_n, "ms": {}, "cycles_per_query_tile": {}}
         for name, source in (("plain", base), *variants.items()):
-            install(name, source)
+            install_gluon_template("backward", name, source)
             torch._dynamo.reset()
             fn = torch.compile(lambda q, k, v: flexattn.flex_attention(
                 q, k, v, block_mask=block_mask, kernel_options={"BWD_BACKEND": "GLUON"}))

@@ -94,19 +94,11 @@ def variant_source(name: str, text: str) -> str:
     raise ValueError(f"unknown variant {name!r}")
 
 
-_TEMPLATES: dict = {}
-
-
 def install(name: str, text: str):
-    """Point the Gluon forward lowering at variant ``name`` of the template (Inductor keeps
-    one template per name for the process, so each variant's is built once)."""
-    from flexattn.lowering import gluon_forward
-    from flexattn.lowering.gluon_template import GluonTemplate
-
-    if name not in _TEMPLATES:
-        _TEMPLATES[name] = GluonTemplate(name=f"{gluon_forward.TEMPLATE_NAME}_{len(_TEMPLATES)}",
-                                         grid=gluon_forward.gluon_forward_grid, source=variant_source(name, text))
-    gluon_forward.gluon_forward_template = _TEMPLATES[name]
+    """Point the Gluon forward lowering at variant ``name`` of the template."""
+    sys.path.insert(0, "bench")
+    from _tuning import install_gluon_template
+    install_gluon_template("forward", name, variant_source(name, text))
 
 
 # name: (B, H, S, D, mask: None, "causal", "window1024" or "document8"[, score_mod: "alibi" or "softcap"])

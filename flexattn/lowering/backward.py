@@ -38,6 +38,7 @@ from ..templates import kernel_source
 from . import common
 from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, plan_buffer_grads
 from .backward_plan import BackwardInputs, plan_backward
+from .forward_plan import device_fields
 from .configs import backward as backward_configs
 from .configs import gluon_backward as gluon_backward_configs
 from .configs import tma as tma_configs
@@ -205,9 +206,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.reduced else [])
     choices, config_of_choice = common.template_choices(
         template, usable, what,
-        (lambda cfg: {**spec, **cfg.constexprs()}) if gluon else
-        (lambda cfg: {**spec, "BLOCK_M1": cfg.block_m1, "BLOCK_N1": cfg.block_n1,
-                      "BLOCK_M2": cfg.block_m2, "BLOCK_N2": cfg.block_n2, "ONE_KV_LOOP": cfg.one_kv_loop}),
+        lambda cfg: {**spec, **cfg.constexprs()},
         input_nodes=input_nodes,
         layout=dk_layout,
         subgraphs=subgraphs,
@@ -251,19 +250,9 @@ def triton_backward_configs(device, spec, dtype, kernel_options, call, fw_graph,
 
 def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, buffer_grads: bool):
     """A call's ``BackwardInputs`` (the nodes realized, as the lowering has them)."""
-    from .._compat import triton_interpreter_requested
-    from .forward_plan import gluon_available
-
-    device = query.get_device()
     sizevars = V.graph.sizevars
-    obstacle = None
-    for node, name in ((query, "query"), (key, "key"), (value, "value"), (grad_out, "output gradient")):
-        obstacle = obstacle or common.tma_obstacle(node, name)
     return BackwardInputs(
-        device_type=device.type,
-        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
-        interpreter=triton_interpreter_requested(),
-        gluon_available=gluon_available(),
+        **device_fields(query),
         dtype=query.get_dtype(),
         qk_head_dim=sizevars.guard_int(query.get_size()[-1]),
         v_head_dim=sizevars.guard_int(value.get_size()[-1]),
@@ -272,6 +261,7 @@ def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_s
         has_dropout=dropout_seed is not None,
         buffer_grads=buffer_grads,
         deterministic=common.deterministic_requested(kernel_options),
-        tma_obstacle=obstacle,
+        tma_obstacle=common.first_tma_obstacle(((query, "query"), (key, "key"), (value, "value"),
+                                                (grad_out, "output gradient"))),
         backend=_options.read(kernel_options, "BWD_BACKEND"),
     )

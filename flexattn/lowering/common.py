@@ -418,6 +418,12 @@ def tma_obstacle(node, name: str) -> str | None:
     return None
 
 
+def first_tma_obstacle(nodes_and_names) -> str | None:
+    """The first ``tma_obstacle`` of (node, name) pairs (None: every node can be read through
+    a tensor descriptor)."""
+    return next(filter(None, (tma_obstacle(node, name) for node, name in nodes_and_names)), None)
+
+
 def use_tma(kernel_options: dict[str, Any], query, key, value, kernel: str, qk_dim_pad: int,
             extra_operands: Sequence[tuple[Any, str]] = ()) -> bool:
     """The USE_TMA constexpr of one call.

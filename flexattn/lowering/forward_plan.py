@@ -152,6 +152,17 @@ def gluon_available() -> bool:
         return False
 
 
+def device_fields(query) -> dict[str, Any]:
+    """The fields ForwardInputs and BackwardInputs share about the device, read off a call's
+    query node."""
+    from .._compat import triton_interpreter_requested
+
+    device = query.get_device()
+    return {"device_type": device.type,
+            "capability": torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+            "interpreter": triton_interpreter_requested(), "gluon_available": gluon_available()}
+
+
 def _work(query, key) -> int | None:
     """batch x heads x queries x keys x QK head dim of a call; None where a size is symbolic
     (a dynamic graph keeps one kernel for every size, so no size decides it)."""
@@ -169,20 +180,15 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
     whether tensor descriptors can read them) and returned realized."""
     import dataclasses
 
-    from .._compat import triton_interpreter_requested
     from .._mask_tuple import BlockMaskView
     from .configs.forward import ForwardConfig
     from .subgraph import is_identity_score_mod
 
     sizevars = common.V.graph.sizevars
-    device = query.get_device()
     bm = BlockMaskView(*block_mask)
     pinned = tuple(k for k in ForwardConfig.option_spellings() if kernel_options.get(k) is not None)
     inputs = ForwardInputs(
-        device_type=device.type,
-        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
-        interpreter=triton_interpreter_requested(),
-        gluon_available=gluon_available(),
+        **device_fields(query),
         dtype=query.get_dtype(),
         kv_dtype=key.get_dtype(),
         qk_head_dim=sizevars.guard_int(query.get_size()[-1]),
@@ -207,9 +213,7 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         # Triton template's calls reach their lowering as they came.
         return inputs, (query, key, value)
     nodes = tuple(common.realize_fixed(node) for node in (query, key, value))
-    obstacle = None
     # The kernel reads the query through pointers now, but other query layouts have not met
     # the GPU tests yet: the query keeps the copy engine's rules for now.
-    for node, name in zip(nodes, ("query", "key", "value")):
-        obstacle = obstacle or common.tma_obstacle(node, name)
+    obstacle = common.first_tma_obstacle(zip(nodes, ("query", "key", "value")))
     return dataclasses.replace(inputs, tma_obstacle=obstacle), nodes

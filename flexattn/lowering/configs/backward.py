@@ -38,6 +38,10 @@ class BackwardConfig(TileConfig):
         "num_warps": "num_warps", "num_stages": "num_stages", "one_kv_loop": "ONE_KV_LOOP"}
     OPTION_PREFIX: ClassVar[str] = "bwd_"
 
+    def constexprs(self) -> dict[str, Any]:
+        return {"BLOCK_M1": self.block_m1, "BLOCK_N1": self.block_n1, "BLOCK_M2": self.block_m2,
+                "BLOCK_N2": self.block_n2, "ONE_KV_LOOP": self.one_kv_loop}
+
 
 # Defaults per GPU generation, keyed by (padded QK head-dim bucket, dtype width). The
 # dK/dV programs keep K, V and two accumulators resident, so their KV tile is the wide

@@ -3,8 +3,9 @@
 A ``GluonBackwardConfig`` is one launch shape of the warp-specialised backward: the keys
 of a program (two consumer warpgroups of BLOCK_N / 2), the query tile each step reads,
 the depth of the Q/dO ring and the register budgets of the producer and the consumers.
-Keyed by the head dim (QK and V alike: 64 or 128). Not yet measured: the structure's
-readings so far come from the standalone probe (bench/experiments/gluon_backward_probe.py).
+Keyed by the head dim (QK and V alike: 64 or 128). The tiles and budgets are the standalone
+probe's (bench/experiments/gluon_backward_probe.py), not yet tuned on the kernel; the
+kernel's readings against the Triton backward: bench/DECISIONS.md#gluon-backward-default.
 """
 
 from __future__ import annotations
