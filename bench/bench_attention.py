@@ -64,11 +64,14 @@ RESULTS_DIR = REPO / "bench" / "results"
 IMPLS = ("flexattn", "torch_flex", "sdpa_flash", "sdpa_cudnn")
 FLEX_IMPLS = ("flexattn", "torch_flex")
 #: Columns a run adds with --peers: flexattn forced onto its Triton template (beside its
-#: default choice, the Gluon kernel on Hopper) and torch's FLASH backend (FlashAttention-4,
-#: importable on the GPU machine through ../shared/fa4/), each a flex call with these options.
-PEER_IMPLS = {"template": "flexattn_triton", "flash": "torch_flash"}
-IMPL_OPTIONS = {"flexattn_triton": {"BACKEND": "TRITON"}, "torch_flash": {"BACKEND": "FLASH"}}
-PEER_LABELS = {"flexattn_triton": "flexattn Triton", "torch_flash": "torch FLASH"}
+#: default choice, the Gluon kernel on Hopper), flexattn with the Gluon backward forced (its
+#: forward the default's) and torch's FLASH backend (FlashAttention-4, importable on the GPU
+#: machine through ../shared/fa4/), each a flex call with these options.
+PEER_IMPLS = {"template": "flexattn_triton", "gluon_bwd": "flexattn_gluon_bwd", "flash": "torch_flash"}
+IMPL_OPTIONS = {"flexattn_triton": {"BACKEND": "TRITON"}, "flexattn_gluon_bwd": {"BWD_BACKEND": "GLUON"},
+                "torch_flash": {"BACKEND": "FLASH"}}
+PEER_LABELS = {"flexattn_triton": "flexattn Triton", "flexattn_gluon_bwd": "flexattn Gluon bwd",
+               "torch_flash": "torch FLASH"}
 MODES = ("fwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}
 ERROR_FLAG = 2e-2
@@ -770,7 +773,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument("--peers", default="",
                         help="extra columns, comma-separated: template (flexattn on its Triton template, beside "
-                             "its default kernel), flash (torch's FLASH backend; ../shared/fa4/ makes it importable)")
+                             "its default kernel), gluon_bwd (flexattn with BWD_BACKEND='GLUON'), flash "
+                             "(torch's FLASH backend; ../shared/fa4/ makes it importable)")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="combine result files into one")
     return parser.parse_args(argv)
 

@@ -66,12 +66,14 @@ import bench_attention as ba  # noqa: E402
 import flexattn  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
-IMPLS = ("torch_flex", "flexattn", "torch_flash", "flexattn_triton")
+IMPLS = ("torch_flex", "flexattn", "torch_flash", "flexattn_triton", "flexattn_gluon_bwd")
 #: What a run measures unless --impls says otherwise; ``flexattn_triton`` (flexattn's
-#: Triton template forced, BACKEND="TRITON") is on request, beside the default plan's kernel
-#: where a kernel choice is in question.
+#: Triton template forced, BACKEND="TRITON") and ``flexattn_gluon_bwd`` (the Gluon backward
+#: forced, BWD_BACKEND="GLUON") are on request, beside the default plan's kernels where a
+#: kernel choice is in question.
 DEFAULT_IMPLS = ("torch_flex", "flexattn", "torch_flash")
-IMPL_OPTIONS = {"torch_flash": {"BACKEND": "FLASH"}, "flexattn_triton": {"BACKEND": "TRITON"}}
+IMPL_OPTIONS = {"torch_flash": {"BACKEND": "FLASH"}, "flexattn_triton": {"BACKEND": "TRITON"},
+                "flexattn_gluon_bwd": {"BWD_BACKEND": "GLUON"}}
 MODES = ("fwd", "fwd_grad", "fwdbwd")
 #: Calls per back-to-back wall-time batch.
 WALL_CALLS = 20
