@@ -113,15 +113,17 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
 
 
 # --------------------------------------------------------------------------------------
-# The barrier protocol: the producer's K/V and Q/dO ring against both consumers
+# The barrier protocol: the producer's K/V and Q/dO ring against both consumers, and the
+# consumers' shared dS^T tile
 # --------------------------------------------------------------------------------------
 #: The mbarrier operations of the producer (load_tiles) and a consumer (consume_keys) in
 #: source order, as (operation, barrier, index expression); the model below follows them.
 PRODUCER_OPS = [("expect", "kv_ready", None), ("wait", "tile_free", "stage"), ("expect", "q_ready", "stage"),
                 ("expect", "do_ready", "stage")]
 CONSUMER_OPS = [("wait", "kv_ready", None), ("wait", "q_ready", "stage"), ("wait", "do_ready", "stage"),
-                ("arrive", "tile_free", "stage")]
-COUNTS = {"kv_ready": 1, "q_ready": 1, "do_ready": 1, "tile_free": 2}
+                ("wait", "ds_free", None), ("arrive", "ds_ready", None), ("arrive", "tile_free", "stage"),
+                ("wait", "ds_ready", None), ("arrive", "ds_free", None)]
+COUNTS = {"kv_ready": 1, "q_ready": 1, "do_ready": 1, "tile_free": 2, "ds_ready": 2, "ds_free": 2}
 
 
 def _template_ops(function: str) -> list[tuple]:
@@ -132,7 +134,8 @@ def _template_ops(function: str) -> list[tuple]:
 
 def _programs(tiles_per_head: list[int], stages: int) -> list[list[tuple]]:
     """The producer's and both consumers' operations for one program whose group's query
-    heads list ``tiles_per_head`` query tiles; the ring's count runs on across heads."""
+    heads list ``tiles_per_head`` query tiles; the ring's and the dS^T tile's counts run on
+    across heads."""
     total = sum(tiles_per_head)
     producer = [("tma", ("kv_ready", 0), None)]
     for j in range(total):
@@ -144,7 +147,10 @@ def _programs(tiles_per_head: list[int], stages: int) -> list[list[tuple]]:
     for j in range(total):
         stage, lap = j % stages, j // stages
         consumer += [("wait", ("q_ready", stage), lap), ("wait", ("do_ready", stage), lap),
-                     ("arrive", ("tile_free", stage), None)]
+                     # dS^T rewritten once both warpgroups' dQ products of the last tile read it.
+                     ("wait", ("ds_free", 0), j - 1), ("arrive", ("ds_ready", 0), None),
+                     ("arrive", ("tile_free", stage), None),
+                     ("wait", ("ds_ready", 0), j), ("arrive", ("ds_free", 0), None)]
     return [producer, consumer, list(consumer)]
 
 
@@ -157,6 +163,24 @@ def test_the_model_has_the_templates_barrier_operations():
 @pytest.mark.parametrize("stages", [2, 3])
 def test_no_interleaving_of_the_backward_partitions_hangs(tiles_per_head, stages):
     assert explore(_programs(tiles_per_head, stages), COUNTS) == []
+
+
+def test_the_model_finds_a_ds_ready_wait_on_the_wrong_parity():
+    """A warpgroup whose ds_ready waits mean the wrong phase can pass one before the other
+    warpgroup wrote its rows of dS^T (and, a lap on, wait forever): the check finds one or the other."""
+    programs = _programs([3], 2)
+    programs[1] = [("wait", bar, meant + 1) if bar == ("ds_ready", 0) and kind == "wait" else (kind, bar, meant)
+                   for kind, bar, meant in programs[1]]
+    problems = explore(programs, COUNTS)
+    assert problems and ("passed a wait" in problems[0] or "wait forever" in problems[0])
+
+
+def test_the_model_finds_a_consumer_that_never_frees_ds():
+    """A warpgroup skipping its first ds_free arrival stalls the other at its next tile."""
+    programs = _programs([3], 2)
+    programs[1].remove(("arrive", ("ds_free", 0), None))
+    problems = explore(programs, COUNTS)
+    assert problems and "wait forever" in problems[0]
 
 
 def test_the_model_finds_a_consumer_that_frees_a_slot_once_too_few():

@@ -2,7 +2,7 @@
 Triton template's, and where does its time go?
 
     PYTHONPATH=. python bench/experiments/gluon_backward_ab.py [--cases causal_s8192_d128,...] [--rounds 3]
-        [--variants TRITON,GLUON,GLUON:nodq,GLUON:noadd,GLUON:overlap,GLUON:file:PATH]
+        [--variants TRITON,GLUON,GLUON:nodq,GLUON:noadd,GLUON:file:PATH]
     PYTHONPATH=. python bench/experiments/gluon_backward_ab.py --offline OUT_DIR --variants ...   # CPU: texts only
 
 Forward+backward of flexattn's compiled flex_attention with the backward on the Triton
@@ -11,12 +11,12 @@ taken in turn (do_bench), TFLOP/s over the unmasked entries (forward 4 and backw
 multiply-adds x2 per entry and head dim), and the largest difference of each run's
 gradients from the first variant's. Variants of the Gluon template's text:
 
-- GLUON:nodq: without the dQ products and their adds (its dQ is 0: what dQ costs);
+- GLUON:nodq: without the dQ products, their stores and adds (the barriers around them
+  kept; its dQ is 0: what dQ costs);
 - GLUON:noadd: the dQ products and their shared-memory stores, no bulk adds (dQ is 0: what
   the adds cost);
-- GLUON:overlap: a tile's first dQ column half issued with dV and dK and waited with them,
-  the second issued before the first is stored and added;
-- GLUON:file:PATH: another template text.
+- GLUON:file:PATH: the kernel source saved in PATH, helpers included (e.g. another
+  revision's ``gluon_kernel_source("gluon_backward")``).
 """
 from __future__ import annotations
 
@@ -35,35 +35,12 @@ from _tuning import (allow_recompiles, compiled_own_code, install_gluon_template
                      medians_in_turn)
 
 _DQ_END = r"buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)"
-_DQ_LOOP = re.compile(r"\n            # This warpgroup's keys' share of the tile's dQ.*?" + _DQ_END + r"\n", re.S)
+# The dQ product, its store and its add; the barriers around them stay (the other warpgroup waits on them).
+_DQ_WORK = re.compile(r"\n            dq = warpgroup_mma\(ds_smem.*?" + _DQ_END + r"\n", re.S)
 _ADD = re.compile(r"\n +tma_atomic_add\(dq_desc,[^\n]*\n[^\n]*" + _DQ_END)
-_OVERLAP_FROM = """            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_low, op_layout), q_tile, dk, is_async=True)
+_DQ_KEEP = """
+            mbarrier.arrive(ds_free)
 """
-_OVERLAP_TO = """            ds_w.store(ds_low)
-            fence_async_shared()
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_low, op_layout), q_tile, dk, is_async=True)
-            dq0 = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(0, HALF_D, dim=1), no_dq, use_acc=False, is_async=True)
-            dv, dk, dq0 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq0))
-            mbarrier.arrive(tile_free.index(stage))
-            dq1 = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(HALF_D, HALF_D, dim=1), no_dq, use_acc=False,
-                                is_async=True)
-            buf0 = dq_smem.index(WARPGROUP * 2)
-            tma.store_wait(1)
-            buf0.store(dq0)
-            fence_async_shared()
-            tma_atomic_add(dq_desc, [off_z.to(gl.int32), off_hq.to(gl.int32), start_m.to(gl.int32), 0],
-                           buf0.reshape([1, 1, BLOCK_M, HALF_D]))
-            dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1, ))
-            buf1 = dq_smem.index(WARPGROUP * 2 + 1)
-            tma.store_wait(1)
-            buf1.store(dq1)
-            fence_async_shared()
-            tma_atomic_add(dq_desc, [off_z.to(gl.int32), off_hq.to(gl.int32), start_m.to(gl.int32), HALF_D],
-                           buf1.reshape([1, 1, BLOCK_M, HALF_D]))
-"""
-_OVERLAP_DROP = re.compile(r"            # dS\^T to shared memory for the dQ products.*?" + _DQ_END + r"\n", re.S)
 
 
 def _sub_once(pattern: re.Pattern, repl: str, text: str) -> str:
@@ -78,14 +55,12 @@ def variant_source(name: str, text: str) -> str:
     if kind == "":
         return text
     if kind == "nodq":
-        return _sub_once(_DQ_LOOP, "\n", text)
+        return _sub_once(_DQ_WORK, _DQ_KEEP, text)
     if kind == "noadd":
         return _sub_once(_ADD, "", text)
-    if kind == "overlap":
-        assert text.count(_OVERLAP_FROM) == 1
-        return _sub_once(_OVERLAP_DROP, "", text.replace(_OVERLAP_FROM, _OVERLAP_TO))
     if kind.startswith("file:"):
-        return open(kind[len("file:"):]).read()
+        with open(kind[len("file:"):]) as f:
+            return f.read()
     raise ValueError(f"unknown variant {name!r}")
 
 
