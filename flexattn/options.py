@@ -145,9 +145,10 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "(the split-KV decode kernel); torch's FLASH backend does not exist here (an error)", "torch",
                  choices=("AUTO", "TRITON", "GLUON", "TRITON_DECODE", "FLASH")),
     KernelOption("BWD_BACKEND", "str", "AUTO", _BWD,
-                 "which backward kernel: AUTO (flexattn's choice: the Triton template), TRITON, GLUON (the "
-                 "warp-specialised Hopper backward, opt-in until measured beyond dense and causal calls; an "
-                 "error where it does not cover the call)",
+                 "which backward kernel: AUTO (flexattn's choice: the warp-specialised Hopper backward for "
+                 "queries and keys of 4096 or more at head dim 128 and 8192 or more at 64 whose mask_mod reads "
+                 "no captured tensors, else the Triton template), TRITON, GLUON (the Hopper backward; an error "
+                 "where it does not cover the call)",
                  choices=("AUTO", "TRITON", "GLUON")),
     KernelOption("NUM_PROGRAMS", "int", PER_CALL, ("forward",),
                  "Gluon forward: programs launched, each walking every n-th unit of the call (one query "

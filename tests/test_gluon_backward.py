@@ -30,16 +30,33 @@ ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 HOPPER_CALL = BackwardInputs(
     device_type="cuda", capability=(9, 0), interpreter=False, gluon_available=True, dtype=torch.bfloat16,
     qk_head_dim=128, v_head_dim=128, sparse_q=128, sparse_kv=128, has_dropout=False, buffer_grads=False,
-    deterministic=False, tma_obstacle=None, backend="GLUON")
+    deterministic=False, tma_obstacle=None, backend="GLUON", q_len=8192, kv_len=8192)
 
 
-def test_auto_keeps_the_triton_backward_while_the_gluon_one_is_opt_in():
-    auto = dataclasses.replace(HOPPER_CALL, backend="AUTO")
-    assert plan_backward(auto).kernel == "triton"
-    assert "opt-in until measured" in plan_backward(auto).reason
+def test_the_backend_option_forces_either_kernel():
     assert plan_backward(dataclasses.replace(HOPPER_CALL, backend="TRITON")) == BackwardPlan(
         "triton", "kernel_options BWD_BACKEND='TRITON'")
     assert plan_backward(HOPPER_CALL) == BackwardPlan("gluon", "kernel_options BWD_BACKEND='GLUON'")
+    # Forced, the Gluon kernel runs calls AUTO leaves to the Triton one.
+    assert plan_backward(dataclasses.replace(HOPPER_CALL, q_len=128, mask_reads_memory=True)).kernel == "gluon"
+
+
+@pytest.mark.parametrize("change, kernel, reason", [
+    (dict(), "gluon", "long sequences"),
+    (dict(q_len=4096, kv_len=4096), "gluon", "long sequences"),
+    (dict(q_len=2048), "triton", "lengths 2048/8192 below 4096 at head dim 128"),
+    (dict(kv_len=4095), "triton", "lengths 8192/4095 below 4096"),
+    (dict(qk_head_dim=64, v_head_dim=64), "gluon", "long sequences"),
+    (dict(qk_head_dim=64, v_head_dim=64, q_len=4096, kv_len=4096), "triton", "below 8192 at head dim 64"),
+    (dict(q_len=None), "triton", "symbolic lengths"),
+    (dict(mask_reads_memory=True), "triton", "a mask_mod reading captured tensors"),
+    (dict(dtype=torch.float32), "triton", "dtype torch.float32"),
+    (dict(buffer_grads=True), "triton", "gradients of captured tensors"),
+])
+def test_auto_takes_the_gluon_backward_for_long_calls_without_memory_masks(change, kernel, reason):
+    plan = plan_backward(dataclasses.replace(HOPPER_CALL, backend="AUTO", **change))
+    assert plan.kernel == kernel
+    assert reason in plan.reason
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -62,7 +79,8 @@ def test_calls_the_gluon_backward_does_not_cover(change, reason):
     with pytest.raises(ValueError, match=f"BWD_BACKEND='GLUON' cannot run this call: .*{reason[:20]}".replace("(", r"\(")
                        .replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         plan_backward(call)
-    assert plan_backward(dataclasses.replace(call, backend="AUTO")).kernel == "triton"
+    auto = plan_backward(dataclasses.replace(call, backend="AUTO"))
+    assert auto.kernel == "triton" and reason[:20] in auto.reason
 
 
 def test_bwd_backend_is_a_known_option():

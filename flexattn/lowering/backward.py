@@ -149,7 +149,8 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     subgraphs: list[Any] = [call.score_buffer, call.mask_buffer, grad_score_buffer, grad_plan.scatters,
                             *grad_plan.reduced]
 
-    plan = plan_backward(backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, any(wants)))
+    plan = plan_backward(backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, any(wants),
+                                         mask_mod_buffers))
     log.info("flexattn: backward kernel %s (%s)", "Gluon" if plan.kernel == "gluon" else "Triton", plan.reason)
     gluon = plan.kernel == "gluon"
     # The Gluon backward adds dQ with float32 atomics (its DQ_ATOMIC form).
@@ -248,9 +249,11 @@ def triton_backward_configs(device, spec, dtype, kernel_options, call, fw_graph,
         staged_dq=dq_atomic and spec["USE_TMA_DKDV"])
 
 
-def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, buffer_grads: bool):
+def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, buffer_grads: bool,
+                    mask_mod_buffers):
     """A call's ``BackwardInputs`` (the nodes realized, as the lowering has them)."""
     sizevars = V.graph.sizevars
+
     return BackwardInputs(
         **device_fields(query),
         dtype=query.get_dtype(),
@@ -264,4 +267,7 @@ def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_s
         tma_obstacle=common.first_tma_obstacle(((query, "query"), (key, "key"), (value, "value"),
                                                 (grad_out, "output gradient"))),
         backend=_options.read(kernel_options, "BWD_BACKEND"),
+        mask_reads_memory=common.mask_reads_memory(mask_mod_buffers),
+        q_len=common.static_size(query.get_size()[-2]),
+        kv_len=common.static_size(key.get_size()[-2]),
     )

@@ -3,8 +3,8 @@ Hopper (``templates/gluon_backward.py.jinja``).
 
 A pure function of a frozen ``BackwardInputs``. kernel_options BWD_BACKEND="GLUON" forces
 the Gluon kernel (a ValueError naming the obstacle where it cannot run the call); AUTO
-keeps the Triton template until the Gluon backward is measured beyond dense and causal
-calls (bench/DECISIONS.md#gluon-backward-default).
+takes it for long calls whose mask_mod reads no captured tensors, where it measured faster,
+and the Triton template otherwise (bench/DECISIONS.md#gluon-backward-default).
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ class BackwardInputs:
     #: Why Q, K, V or dO cannot be read through tensor descriptors (None: they can).
     tma_obstacle: str | None
     backend: str
+    #: The mask_mod reads captured tensors.
+    mask_reads_memory: bool = False
+    #: Query and key lengths (None: symbolic, one kernel for every length).
+    q_len: int | None = None
+    kv_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,5 +85,14 @@ def plan_backward(inputs: BackwardInputs) -> BackwardPlan:
         if obstacle is not None:
             raise ValueError(f"flexattn: kernel_options BWD_BACKEND='GLUON' cannot run this call: {obstacle}")
         return BackwardPlan("gluon", "kernel_options BWD_BACKEND='GLUON'")
-    return BackwardPlan("triton", obstacle or "the Gluon backward is opt-in until measured beyond dense and causal "
-                       "calls (BWD_BACKEND='GLUON' takes it)")
+    if obstacle is not None:
+        return BackwardPlan("triton", obstacle)
+    if inputs.q_len is None or inputs.kv_len is None:
+        return BackwardPlan("triton", "symbolic lengths (the Gluon backward is taken by length)")
+    shortest = gluon_configs.AUTO_MIN_LENGTH[inputs.qk_head_dim]
+    if min(inputs.q_len, inputs.kv_len) < shortest:
+        return BackwardPlan("triton", f"lengths {inputs.q_len}/{inputs.kv_len} below {shortest} at head dim "
+                                      f"{inputs.qk_head_dim}: the Triton backward measured faster")
+    if inputs.mask_reads_memory:
+        return BackwardPlan("triton", "a mask_mod reading captured tensors: the Triton backward measured faster")
+    return BackwardPlan("gluon", "sm90, 16-bit, TMA-ready layouts, long sequences")

@@ -392,6 +392,12 @@ def warn_inert_options(kernel_options: dict[str, Any]) -> None:
                       "option has no effect", stacklevel=2)
 
 
+def static_size(n) -> int | None:
+    """An IR size as an int, or None where it is symbolic (a dynamic graph keeps one kernel for
+    every size, so no size decides it)."""
+    return int(n) if isinstance(n, int) or getattr(n, "is_number", False) else None
+
+
 def mask_reads_memory(mask_mod_buffers) -> bool:
     """Whether a call's mask_mod reads captured tensors (buffers that are IR nodes, not
     inlined scalars)."""

@@ -166,10 +166,10 @@ def device_fields(query) -> dict[str, Any]:
 def _work(query, key) -> int | None:
     """batch x heads x queries x keys x QK head dim of a call; None where a size is symbolic
     (a dynamic graph keeps one kernel for every size, so no size decides it)."""
-    sizes = (*query.get_size(), key.get_size()[-2])
-    if not all(isinstance(n, int) or getattr(n, "is_number", False) for n in sizes):
+    sizes = [common.static_size(n) for n in (*query.get_size(), key.get_size()[-2])]
+    if None in sizes:
         return None
-    B, H, L, E, S = (int(n) for n in sizes)
+    B, H, L, E, S = sizes
     return B * H * L * S * E
 
 

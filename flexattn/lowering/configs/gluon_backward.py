@@ -42,3 +42,9 @@ SM90: dict[int, GluonBackwardConfig] = {
     64: GluonBackwardConfig(64, 128, 2),
     128: GluonBackwardConfig(64, 128, 2),
 }
+
+
+#: AUTO takes the Gluon backward for calls whose query and key lengths both reach this, by head
+#: dim (and whose mask_mod reads no captured tensors): shorter calls ran slower on it (H200,
+#: bench/DECISIONS.md#gluon-backward-default).
+AUTO_MIN_LENGTH: dict[int, int] = {64: 8192, 128: 4096}
