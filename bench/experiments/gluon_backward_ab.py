@@ -70,6 +70,10 @@ CASES = {
     "causal_s8192_d128": (4, 16, 8192, 128, True),
     "no_mask_s8192_d64": (4, 16, 8192, 64, False),
     "causal_s8192_d64": (4, 16, 8192, 64, True),
+    # Shorter calls, where the Gluon backward ran slower (bench/DECISIONS.md#gluon-backward-default).
+    "causal_s2048_d128": (4, 16, 2048, 128, True),
+    "causal_s4096_d128": (4, 16, 4096, 128, True),
+    "causal_s4096_d64": (4, 16, 4096, 64, True),
 }
 
 
