@@ -97,8 +97,9 @@ CALL_FIELDS = (
     ("grad_q", ctypes.c_void_p), ("grad_q_strides", I64x4),
     ("grad_k", ctypes.c_void_p), ("grad_k_strides", I64x4),
     ("grad_v", ctypes.c_void_p), ("grad_v_strides", I64x4),
-    # BLAS: the Fortran sgemm_ / dgemm_ torch links (build.blas_symbols).
-    ("sgemm", ctypes.c_void_p), ("dgemm", ctypes.c_void_p),
+    # BLAS: the Fortran sgemm_ / dgemm_ torch links and MKL's MKL_Set_Num_Threads_Local
+    # (null where torch's BLAS is not MKL) (build.blas_symbols).
+    ("sgemm", ctypes.c_void_p), ("dgemm", ctypes.c_void_p), ("blas_threads_local", ctypes.c_void_p),
 )
 
 

@@ -109,9 +109,10 @@ def _torch_libraries() -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def blas_symbols() -> tuple[int, int]:
+def blas_symbols() -> tuple[int, int, int | None]:
     """Addresses of the Fortran BLAS ``sgemm_`` and ``dgemm_`` that torch links (MKL in
-    torch's x86-64 wheels, OpenBLAS or Accelerate elsewhere)."""
+    torch's x86-64 wheels, OpenBLAS or Accelerate elsewhere), and of MKL's
+    ``MKL_Set_Num_Threads_Local`` (None for another BLAS)."""
     handles = []
     for path in _torch_libraries():
         if os.path.exists(path):
@@ -127,4 +128,7 @@ def blas_symbols() -> tuple[int, int]:
             raise CpuKernelError(f"flexattn: its CPU kernels multiply tiles with the BLAS routine {name} that "
                                  "torch links, and this torch build exports none (torch.__config__.show() "
                                  "says which BLAS it uses)")
-    return found[0], found[1]
+    # The C spelling, by value (MKL exports the lower-case name as its Fortran interface, by reference).
+    local = next((ctypes.cast(getattr(h, "MKL_Set_Num_Threads_Local"), ctypes.c_void_p).value
+                  for h in handles if hasattr(h, "MKL_Set_Num_Threads_Local")), None)
+    return found[0], found[1], local

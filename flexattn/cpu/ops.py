@@ -49,7 +49,7 @@ def _prototype(plan: str, mods: str) -> tuple[dict[str, Any], abi.CallArgs, int]
     args.q_tile, args.kv_tile = plan_dict["q_tile"], plan_dict["kv_tile"]
     args.scale = plan_dict["scale"]
     args.deterministic = int(bool(plan_dict.get("deterministic")))
-    args.sgemm, args.dgemm = blas_symbols()
+    args.sgemm, args.dgemm, args.blas_threads_local = blas_symbols()
     if mods:
         _, score, mask, joint = mod_library(mods)
         args.score_fn = score if plan_dict.get("score") else None

@@ -17,6 +17,7 @@ typedef void (*SgemmFn)(const char*, const char*, const int*, const int*, const 
                         const int*, const float*, const int*, const float*, float*, const int*);
 typedef void (*DgemmFn)(const char*, const char*, const int*, const int*, const int*, const double*,
                         const double*, const int*, const double*, const int*, const double*, double*, const int*);
+typedef int (*BlasThreadsLocalFn)(int);
 
 // Products of at most FEW_ROWS rows (a decode step, a short query tile) run in the
 // loops below: BLAS treats them as matrix-vector products, which stream op(B) from
@@ -162,11 +163,17 @@ void gemm(const FaCallArgs* a, bool trans_a, bool trans_b, int64_t M, int64_t N,
   const int ldb = (int)std::max<int64_t>(ldx, trans_a ? M : K);
   const int ld = (int)std::max<int64_t>(ldc, N);
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+  // One thread per product: the engine's threads each take whole tiles, and MKL called
+  // from the calling thread with torch's thread count > 1 splits a product by its own
+  // blocking, which follows that count (1 and 2 threads differed in the last bits).
+  const auto threads_local = reinterpret_cast<BlasThreadsLocalFn>(a->blas_threads_local);
+  const int before = threads_local ? threads_local(1) : 0;
   if constexpr (std::is_same<A, float>::value) {
     reinterpret_cast<SgemmFn>(a->sgemm)(&ta, &tb, &m, &n, &k, &alpha, y, &lda, x, &ldb, &beta, c, &ld);
   } else {
     reinterpret_cast<DgemmFn>(a->dgemm)(&ta, &tb, &m, &n, &k, &alpha, y, &lda, x, &ldb, &beta, c, &ld);
   }
+  if (threads_local) threads_local(before);
 }
 
 }  // namespace
