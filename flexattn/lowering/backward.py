@@ -253,7 +253,6 @@ def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_s
                     mask_mod_buffers):
     """A call's ``BackwardInputs`` (the nodes realized, as the lowering has them)."""
     sizevars = V.graph.sizevars
-
     return BackwardInputs(
         **device_fields(query),
         dtype=query.get_dtype(),
