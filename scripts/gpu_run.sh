@@ -7,6 +7,8 @@
 # GPUs, GPUS=n runs the n shards at once, one per GPU, each under $OUT/shard<i> (no
 # benchmarks then). A run cut off by the limit goes on in the next call with
 # FLEXATTN_RESUME=<its progress logs, ':'-joined> (with FLEXATTN_PROGRESS_LOG set).
+# SHARDS=m FIRST_SHARD=f with GPUS=n runs shards f..f+n-1 of m, so two calls on two GPUs
+# (FIRST_SHARD=1, then 3, SHARDS=4) cover a suite too long for one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,15 +25,16 @@ if [ "$GPUS" -gt 1 ]; then
   # otherwise tests on the CPU path wait on one build made under every worker's compile
   # load (some such tests took 100-205 s in a suite run; the build's share is unmeasured).
   python3 -c "import torch, triton, flexattn; from flexattn.cpu import build; build.engine()" >/dev/null 2>&1
+  SHARDS=${SHARDS:-$GPUS} FIRST_SHARD=${FIRST_SHARD:-1}
   for i in $(seq 1 "$GPUS"); do
     # (A prefix assignment sees the ones before it, so these are named first.)
-    SHARD="$i/$GPUS" SHARD_OUT="$OUT/shard$i"
+    SHARD="$((FIRST_SHARD + i - 1))/$SHARDS" SHARD_OUT="$OUT/shard$i"
     CUDA_VISIBLE_DEVICES=$((i - 1)) FLEXATTN_SHARD=$SHARD GPUS=1 OUT="$SHARD_OUT" \
       FLEXATTN_PROGRESS_LOG="$SHARD_OUT/progress.log" bash "$0" "${1:-tests}" none "${3:-360}" 0 \
       >"$SHARD_OUT.summary" 2>&1 &
   done
   wait
-  for i in $(seq 1 "$GPUS"); do echo "===== shard $i/$GPUS"; tail -20 "$OUT/shard$i.summary"; done
+  for i in $(seq 1 "$GPUS"); do echo "===== shard $((FIRST_SHARD + i - 1))/$SHARDS"; tail -20 "$OUT/shard$i.summary"; done
   exit 0
 fi
 TESTS=${1:-tests}

@@ -264,6 +264,19 @@ def test_sinks_benchmark_dry_run(tmp_path, monkeypatch):
         assert "torch_renorm" in row["median_ms"] or "torch_renorm" in row["errors"]
 
 
+def test_learnable_bias_benchmark_dry_run(tmp_path, monkeypatch):
+    """bench/bench_learnable_bias.py runs and records every bias, flexattn with the table
+    trained and frozen (torch's compiled flex has no backward on a CPU: its cells hold the error)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    learnable = load_bench("bench_learnable_bias")
+    report = learnable.main(learnable.LEARNABLE_BIAS, ["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
+    assert json.loads(next(tmp_path.glob("learnable-bias-cpu-*.json")).read_text())["rows"]
+    assert [row["name"].split("_")[0] for row in report["rows"]] == ["rel", "slope", "pair"]
+    for row in report["rows"]:
+        assert row["median_ms"]["flexattn"] > 0 and row["grad_over_frozen"] > 0, row
+        assert "torch_flex" in row["median_ms"] or "torch_flex" in row["errors"]
+
+
 def test_dropout_benchmark_dry_run(tmp_path, monkeypatch):
     """bench/bench_dropout.py runs and records every case: flexattn with and without
     dropout and SDPA with the same dropout_p and without, and their ratios."""
