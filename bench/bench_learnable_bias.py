@@ -8,9 +8,9 @@ backward with the gradients of q, k, v and the bias table:
 * ``flexattn_frozen``  the same call with the table frozen (what the table's gradient costs);
 * ``torch_flex``       compiled torch ``flex_attention``, the same score_mod and table.
 
-Biases (causal mask, float32 tables as a model keeps its parameters): ``rel`` a relative-
-position table (H, 2S-1) read at ``kv_idx - q_idx`` (``mods.relative_bias``), ``slope`` a
-learnable ALiBi slope per head (``mods.alibi_bias``), ``pair`` a full (H, S, S) bias (pair
+Biases (causal mask, float32 tables as a model keeps its parameters, indexed with plain
+subscripts): ``rel`` a relative-position table (H, 2S-1) read at the clamped ``kv_idx -
+q_idx``, ``slope`` a learnable ALiBi slope per head, ``pair`` a full (H, S, S) bias (pair
 bias of structure models). Prints median ms and ``torch_over_flexattn`` (torch's time over
 flexattn's: above 1 is flexattn faster), and writes ``learnable-bias-<gpu>-<stamp>.json``.
 
@@ -37,31 +37,31 @@ def suite(dry_run: bool) -> list[Case]:
     return [Case("rel_s8192_d128", "fwdbwd", 4, 16, 16, 8192, 8192, 128),
             Case("slope_s8192_d128", "fwdbwd", 4, 16, 16, 8192, 8192, 128),
             Case("rel_s4096_d64", "fwdbwd", 4, 16, 16, 4096, 4096, 64),
-            Case("pair_s4096_d128", "fwdbwd", 2, 16, 16, 4096, 4096, 128)]
+            Case("pair_s4096_d128", "fwdbwd", 2, 16, 16, 4096, 4096, 128),
+            Case("pair_s2048_d64", "fwdbwd", 4, 16, 16, 2048, 2048, 64)]
 
 
 def _bias(case: Case, device: torch.device, train: bool) -> tuple[torch.Tensor, Callable]:
-    """The case's float32 table (small values, as a trained bias) and its score_mod."""
+    """The case's float32 table (small values, as a trained bias) and its score_mod, indexed
+    as users write it (plain subscripts), the same function for both libraries."""
     kind = case.name.split("_")[0]
     generator = torch.Generator(device=device).manual_seed(0)
-    if kind == "rel":
-        shape = (case.H, 2 * case.S - 1)
-    elif kind == "slope":
-        shape = (case.H,)
-    elif kind == "pair":
-        shape = (case.H, case.L, case.S)
-    else:
+    shapes = {"rel": (case.H, 2 * case.S - 1), "slope": (case.H,), "pair": (case.H, case.L, case.S)}
+    if kind not in shapes:
         raise ValueError(f"case name must start with rel, slope or pair, got {case.name!r}")
-    table = (0.1 * torch.randn(shape, device=device, generator=generator)).requires_grad_(train)
-    if kind == "rel":
-        return table, mods.relative_bias(table)
-    if kind == "slope":
-        return table, mods.alibi_bias(table)
+    table = (0.1 * torch.randn(shapes[kind], device=device, generator=generator)).requires_grad_(train)
+    last = case.S - 1
 
-    def pair_bias(score, b, h, q_idx, kv_idx):
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + table[h, (kv_idx - q_idx).clamp(-last, last) + last]
+
+    def slope(score, b, h, q_idx, kv_idx):
+        return score + table[h] * (kv_idx - q_idx)
+
+    def pair(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx, kv_idx]
 
-    return table, pair_bias
+    return table, {"rel": rel, "slope": slope, "pair": pair}[kind]
 
 
 def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -> Callable:

@@ -325,6 +325,11 @@ def load_cpp_library(source: str, on_build: Callable[[Callable[[], Any]], None] 
     return CppCodeCache.load_async(source, submit_fn=_BuildWhenAwaited)()
 
 
+def is_mutating_op(target: Any) -> bool:
+    """Whether an FX node's target is an ATen op that writes to one of its inputs."""
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
 def inductor_cache_dir() -> str:
     """The directory of Inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR`` or its
     default), where the C++ libraries are kept."""
@@ -339,6 +344,7 @@ __all__ = [
     "DispatchKey",
     "FakeTensorMode",
     "HigherOrderOperator",
+    "is_mutating_op",
     "ProxyTorchDispatchMode",
     "autotune_select_node",
     "below_autograd",

@@ -374,8 +374,19 @@ def build_score_mod_graphs(score_mod: Callable, query: Tensor, score_mod_buffers
         fw_graph = _compat.make_fx(score_mod)(*fw_examples, *buffers)
         joint_examples = scalar_examples(query, True, score_requires_grad=True)
         grad_example = query.new_zeros(())
-        joint_graph = _compat.make_fx(joint)(*joint_examples, grad_example, *buffers)
+        joint_graph = _without_mutations(_compat.make_fx(joint)(*joint_examples, grad_example, *buffers),
+                                         (*joint_examples, grad_example, *buffers))
     return fw_graph, joint_graph
+
+
+def _without_mutations(graph: torch.fx.GraphModule, examples: Sequence[Tensor]) -> torch.fx.GraphModule:
+    """``graph`` with no op that writes in place: autograd formulas may (maximum's and
+    minimum's fill a mask into their gradient, traced as ``copy_``), and the kernels inline
+    pure graphs only; such a graph is traced again through functionalization."""
+    if not any(_compat.is_mutating_op(node.target) for node in graph.graph.nodes):
+        return graph
+    pure = torch.func.functionalize(graph, remove="mutations_and_views")
+    return _compat.make_fx(pure)(*(e.detach() for e in examples))
 
 
 def trace_score_mod(score_mod: Callable, query: Tensor, score_mod_buffers: Sequence) -> torch.fx.GraphModule:

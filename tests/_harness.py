@@ -20,6 +20,8 @@ The API:
 * ``reference_runs(fn_ref, inputs)`` -> (golden, ref): ``fn_ref`` on float64 copies of
   the inputs and on copies as they are; ``dense_reference`` is ``fn_ref`` for a HOP call,
   ``attention_grads`` runs attention and its gradients;
+* ``clamped_relative_score_mod``: a score_mod whose generated code calls Inductor's max and
+  min helpers (a clamp, a leaky max), for the kernels that inline them differently;
 * ``check_three_way``: the inequality above, the NaN and the shape check;
   ``check_attention`` applies it to (out, lse, max_scores), ``check_gradients`` to every
   gradient; ``check_masked_rows``: fully masked rows give out 0, lse and max -inf,
@@ -128,6 +130,20 @@ def reference_runs(fn_ref: Callable, inputs: Sequence):
     golden = fn_ref(*copies(tuple(inputs), torch.float64))
     ref = fn_ref(*copies(tuple(inputs)))
     return golden, ref
+
+
+def clamped_relative_score_mod(device, radius: int = 32) -> Callable:
+    """A frozen relative-position bias (``mods.relative_bias``: distances clamped to
+    +-``radius``), then a leaky max of the biased score, ``max(s, s / 4)``."""
+    from flexattn import mods
+
+    bias = mods.relative_bias(torch.linspace(-1.0, 1.0, 2 * radius + 1, device=device))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        biased = bias(score, b, h, q_idx, kv_idx)
+        return torch.maximum(biased, 0.25 * biased)
+
+    return score_mod
 
 
 def dense_reference(score_mod, block_mask_tuple, scale, options) -> Callable:

@@ -303,6 +303,29 @@ def test_captured_tensors_indexed_in_steps():
     run_case(dtype=torch.float16, B=B, Hq=H, L=n, S=n, make_mods=make, block_size=scaled(16, 128))
 
 
+def test_elementwise_max_and_min_of_scores():
+    """torch.maximum / torch.minimum of two score terms, one a learnable per-head floor:
+    autograd's formulas for them write their gradient in place (a masked fill), which the
+    joint graph must not keep for the kernels to inline it."""
+    H, n = 2, scaled(48, 384)
+
+    def make(gen):
+        floor = torch.randn(H, generator=gen).to(DEVICE)
+
+        def mods_of(b):
+            (floor,) = b
+
+            def score_mod(score, bi, h, q_idx, kv_idx):
+                leaky = torch.maximum(score, 0.25 * score)
+                return torch.minimum(leaky, 2.0 - 0.5 * score) + torch.maximum(score, floor[h])
+
+            return score_mod, mods.causal_mask
+
+        return mods_of, [floor]
+
+    run_case(dtype=torch.float16, Hq=H, L=n, S=n, make_mods=make, block_size=scaled(16, 128))
+
+
 def test_relative_bias_with_document_mask_gqa():
     n = scaled(64, 640)
     doc = mods.document_mask(_doc_ids(n))

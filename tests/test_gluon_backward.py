@@ -94,6 +94,8 @@ OFFLINE_CASES = {
     "no_mask_odd_d128": dict(E=128, L=200, mask=None),
     "alibi_causal_d64": dict(E=64, L=256, mask="causal", score="alibi"),
     "gqa_documents_d128": dict(E=128, L=256, mask="documents", Hq=4, Hkv=2),
+    # Inductor's max/min helpers in the score_mod and its gradient (the Gluon helpers' versions).
+    "clamped_relative_causal_d128": dict(E=128, L=256, mask="causal", score="clamped_relative"),
 }
 
 
@@ -114,7 +116,8 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
     elif c["mask"] == "documents":
         ids = torch.arange(L, device=DEVICE) // 97
         block_mask = flexattn.create_block_mask(lambda b, h, qi, ki: ids[qi] == ids[ki], B, None, L, L, device=DEVICE)
-    score_mod = mods.alibi(Hq, device=DEVICE) if c.get("score") == "alibi" else None
+    score_mod = {"alibi": lambda: mods.alibi(Hq, device=DEVICE), None: lambda: None,
+                 "clamped_relative": lambda: harness.clamped_relative_score_mod(DEVICE)}[c.get("score")]()
 
     def run():
         out = torch.compile(flexattn.flex_attention)(q, k, v, score_mod=score_mod, block_mask=block_mask,
@@ -215,6 +218,7 @@ GPU_CASES = {
     "no_mask_odd_d128": dict(E=128, L=255, S=300, default_mask=True),
     "alibi_causal_d64": dict(E=64, L=512, S=512, alibi=True),
     "softcap_d128": dict(E=128, L=384, S=384, mods=(mods.tanh_softcap(30.0), None)),
+    "clamped_relative_causal_d128": dict(E=128, L=500, S=500, clamped_relative=True),
     "sliding_window_d128": dict(E=128, L=1024, S=1024, mods=(None, mods.sliding_window(200))),
     "gqa_causal_d128": dict(E=128, Hq=8, Hkv=2, L=640, S=640, mods=(None, mods.causal_mask)),
     "empty_rows_d128": dict(E=128, L=384, S=384, mods=(None, lambda b, h, qi, ki: (qi >= 130) & (ki <= qi))),
@@ -229,6 +233,8 @@ def test_gluon_backward_against_the_golden_reference(case, dtype):
     c = GPU_CASES[case]
     if c.get("alibi"):
         make_mods = _no_buffers(mods.alibi(c.get("Hq", 2), device=DEVICE), mods.causal_mask)
+    elif c.get("clamped_relative"):
+        make_mods = _no_buffers(harness.clamped_relative_score_mod(DEVICE), mods.causal_mask)
     else:
         make_mods = _no_buffers(*c.get("mods", (None, None)))
     run_case(dtype=dtype, Hq=c.get("Hq", 2), Hkv=c.get("Hkv"), L=c["L"], S=c["S"], E=c["E"], make_mods=make_mods,

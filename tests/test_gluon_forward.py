@@ -252,6 +252,8 @@ def test_every_tile_fits_shared_memory():
     ("t = tl.full([1], -1, tl.int64).to(tl.uint64)", "t = tl.cast(-1, tl.int64).to(tl.uint64)"),
     ("x = tl.full([BLOCK_M, BLOCK_N], 0, tl.int32)", "x = tl.full([BLOCK_M, BLOCK_N], 0, tl.int32)"),
     ("tmp2 = tl.load(in_ptr11 + tmp1)", "tmp2 = tl.load(in_ptr11 + tmp1)"),
+    ("tmp5 = triton_helpers.maximum(tmp3, tmp4)", "tmp5 = mod_maximum(tmp3, tmp4)"),
+    ("tmp7 = triton_helpers.minimum(tmp5, tl.full([1], 24, tl.int64))", "tmp7 = mod_minimum(tmp5, tl.cast(24, tl.int64))"),
 ])
 def test_typed_constants_become_scalars(line, expected):
     assert gluon_compatible(line) == expected
@@ -271,6 +273,8 @@ OFFLINE_CASES = {
     "no_mask_three_warpgroups_d64": dict(E=64, L=200, S=300),
     "no_mask_sinks_three_warpgroups_d64": dict(E=64, L=256, S=256, sinks=True),
     "no_mask_alibi_d64": dict(E=64, L=400, S=400, score="alibi"),
+    # Inductor's max/min helpers (a clamp, a leaky max) as the Gluon helpers' versions.
+    "causal_clamped_relative_d128": dict(E=128, L=256, S=256, mask="causal", score="clamped_relative"),
 }
 
 
@@ -292,6 +296,8 @@ def test_rendered_kernel_compiles_for_sm90_without_spills(case, monkeypatch, tmp
         score_mod = mods.alibi(H, device=DEVICE)
     elif c.get("score") == "softcap":
         score_mod = mods.tanh_softcap(30.0)
+    elif c.get("score") == "clamped_relative":
+        score_mod = harness.clamped_relative_score_mod(DEVICE)
     if c.get("sinks"):
         kwargs["sinks"] = harness.randn(gen, H)
 
@@ -435,6 +441,7 @@ GPU_CASES = {
     "causal_d256": dict(E=256, L=384, S=384, mask=mods.causal_mask),
     "alibi_causal_d128": dict(E=128, L=512, S=512, mask=mods.causal_mask, score="alibi"),
     "softcap_d128": dict(E=128, L=384, S=384, score="softcap"),
+    "clamped_relative_causal_d128": dict(E=128, L=500, S=600, mask=mods.causal_mask, score="clamped_relative"),
     "sliding_window_d128": dict(E=128, L=1024, S=1024, mask=mods.sliding_window(200)),
     "gqa_causal_d128": dict(E=128, Hq=8, Hkv=2, L=640, S=640, mask=mods.causal_mask),
     "empty_rows_d128": dict(E=128, L=384, S=384, mask=lambda b, h, qi, ki: (qi >= 130) & (ki <= qi)),
@@ -482,6 +489,7 @@ def _gpu_case_call(case: str, dtype: torch.dtype, backend: str):
     if c.get("expand_q"):
         q = q[:1, :1].expand_as(q)
     score_mod = {"alibi": mods.alibi(Hq, device=DEVICE), "softcap": mods.tanh_softcap(30.0),
+                 "clamped_relative": harness.clamped_relative_score_mod(DEVICE),
                  None: lambda score, b, h, q_idx, kv_idx: score}[c.get("score")]
     block_mask = create_block_mask(c.get("mask") or noop_mask, None, None, c["L"], c["S"], device=DEVICE)
     options = dict(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True, BACKEND=backend, **c.get("options", {}))

@@ -20,15 +20,20 @@ along a row and temperatures over large scores fail the bound by design, not by 
 
 Draws: ``FLEXATTN_RANDOM_DRAWS`` (default 24 in the interpreter, 300 on CUDA), seeds
 from ``FLEXATTN_RANDOM_FIRST_SEED`` (default 0) on, so a long run can explore new seeds
-without changing the CI set.
+without changing the CI set. On an sm90 GPU a fifth as many more draws (``gluon=True``:
+16-bit, head dim 64 or 128, 128-token blocks) run with the plans patched to take the Gluon
+kernels wherever they can: AUTO keeps small calls on the Triton template, so these are
+the draws that put the generated mods into the Gluon kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
 from collections.abc import Callable, Sequence
+from unittest import mock
 
 import pytest
 import torch
@@ -36,6 +41,8 @@ from torch import Tensor
 
 import flexattn
 from flexattn import AuxRequest, and_masks, create_block_mask, mods, noop_mask, or_masks
+from flexattn.lowering import backward as backward_lowering
+from flexattn.lowering import backward_plan, dispatch, forward_plan
 from flexattn.reference import apply_mask_mod, apply_score_mod, dense_math
 
 import _harness as harness
@@ -44,8 +51,13 @@ from conftest import DEVICE
 pytestmark = pytest.mark.usefixtures("flexattn_kernels")
 
 ON_CUDA = DEVICE == "cuda"
+ON_SM90 = ON_CUDA and torch.cuda.get_device_capability() == (9, 0)
 NUM_DRAWS = int(os.environ.get("FLEXATTN_RANDOM_DRAWS", 300 if ON_CUDA else 24))
 FIRST_SEED = int(os.environ.get("FLEXATTN_RANDOM_FIRST_SEED", 0))
+GLUON_DRAWS = max(1, NUM_DRAWS // 5)
+# What the Gluon kernels take (flexattn/configs/gluon.py, gluon_backward.py).
+GLUON_INPUT_DTYPES = ("float16", "bfloat16")
+GLUON_HEAD_DIMS = (64, 128)
 
 # The interpreter is wrong for bfloat16 (docs/architecture.md), so bfloat16 inputs and captured
 # tensors are drawn on CUDA only.
@@ -131,6 +143,7 @@ class Case:
     mask_B: int | None  # create_block_mask's B and H (None: broadcast over the call's)
     mask_H: int | None
     default_mask: bool  # no mask: block_mask=None (the kernels' dense walk), else noop_mask's
+    gluon: bool = False  # run with the plans patched to take the Gluon kernels wherever they can
 
 
 def _length(rng: random.Random, on_cuda: bool) -> int:
@@ -210,8 +223,9 @@ def _uses(term: Term, index: str) -> bool:
     return term.kind == "threshold" or (term.kind == "keep" and term["per_head"])
 
 
-def draw(seed: int, on_cuda: bool = ON_CUDA) -> Case:
-    """The random case of ``seed``: a pure function of its arguments."""
+def draw(seed: int, on_cuda: bool = ON_CUDA, gluon: bool = False) -> Case:
+    """The random case of ``seed``: a pure function of its arguments. ``gluon``: the same
+    draw narrowed to what the Gluon kernels take (dtype, head dims, 128-token blocks)."""
     rng = random.Random(seed)
     float_dtypes = CAPTURED_FLOAT_DTYPES_CUDA if on_cuda else CAPTURED_FLOAT_DTYPES_CPU
     dtype = rng.choice(INPUT_DTYPES_CUDA if on_cuda else INPUT_DTYPES_CPU)
@@ -240,9 +254,12 @@ def draw(seed: int, on_cuda: bool = ON_CUDA) -> Case:
     mask_B = B if any(_uses(t, "b") for t in leaves) or rng.random() < 0.3 else None
     mask_H = Hq if any(_uses(t, "h") for t in leaves) or rng.random() < 0.3 else None
     default_mask = mask is None and rng.random() < 0.5
+    if gluon:
+        dtype, E = rng.choice(GLUON_INPUT_DTYPES), rng.choice(GLUON_HEAD_DIMS)
+        Ev, block_size = E, 128
     return Case(seed=seed, on_cuda=on_cuda, dtype=dtype, B=B, Bkv=Bkv, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev,
                 block_size=block_size, scale=scale, backward=backward, use_lse=use_lse, score_terms=score_terms,
-                mask=mask, mask_B=mask_B, mask_H=mask_H, default_mask=default_mask)
+                mask=mask, mask_B=mask_B, mask_H=mask_H, default_mask=default_mask, gluon=gluon)
 
 
 # --------------------------------------------------------------------------------------
@@ -488,7 +505,35 @@ def check_gradients(test: Sequence[Tensor], ref: Sequence[Tensor], golden: Seque
                                 t.double() - fix, r, g, floor_dtype, ratio=ratio, floor=floor)
 
 
+def _gluon_wherever_it_can(plan_of: Callable, plan_type: type, obstacle_of: Callable) -> Callable:
+    """``plan_of`` that takes the Gluon kernel wherever ``obstacle_of`` finds nothing in the
+    way (not only where AUTO measured it faster)."""
+    def plan(inputs):
+        chosen = plan_of(inputs)
+        if chosen.kernel == "triton" and inputs.backend == "AUTO" and obstacle_of(inputs) is None:
+            return plan_type("gluon", "tests: the Gluon kernel wherever it can run")
+        return chosen
+
+    return plan
+
+
+def _plans(case: Case) -> contextlib.AbstractContextManager:
+    if not case.gluon:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(dispatch, "plan_forward", _gluon_wherever_it_can(
+        forward_plan.plan_forward, forward_plan.ForwardPlan, forward_plan.gluon_obstacle)))
+    stack.enter_context(mock.patch.object(backward_lowering, "plan_backward", _gluon_wherever_it_can(
+        backward_plan.plan_backward, backward_plan.BackwardPlan, backward_plan.gluon_obstacle)))
+    return stack
+
+
 def run_draw(case: Case) -> None:
+    with _plans(case):
+        _run_draw(case)
+
+
+def _run_draw(case: Case) -> None:
     dtype = _dtype(case.dtype)
     gen = harness.generator(case.seed)
     q, k, v = harness.make_inputs(gen, B=case.B, Bkv=case.Bkv, Hq=case.Hq, Hkv=case.Hkv, L=case.L, S=case.S,
@@ -551,7 +596,11 @@ def _param(seed: int):
 
 @pytest.mark.parametrize("seed", [_param(s) for s in range(FIRST_SEED, FIRST_SEED + NUM_DRAWS)])
 def test_random_mods(seed):
-    case = draw(seed)
+    _run_reported(draw(seed))
+
+
+def _run_reported(case: Case) -> None:
+    """run_draw, its failure naming the draw."""
     try:
         run_draw(case)
     except AssertionError as error:
@@ -559,6 +608,13 @@ def test_random_mods(seed):
     except Exception as error:
         error.add_note(f"draw: {case!r}")
         raise
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run on sm90 GPUs")
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"gluon_draw{s}")
+                                  for s in range(FIRST_SEED, FIRST_SEED + GLUON_DRAWS)])
+def test_random_mods_on_the_gluon_kernels(seed):
+    _run_reported(draw(seed, gluon=True))
 
 
 # The generator's own contract, checked without kernels (cheap, so on at least as many

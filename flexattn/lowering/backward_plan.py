@@ -52,7 +52,7 @@ class BackwardPlan:
     reason: str
 
 
-def _gluon_obstacle(inputs: BackwardInputs) -> str | None:
+def gluon_obstacle(inputs: BackwardInputs) -> str | None:
     """Why the Gluon backward cannot run the call (None: it can)."""
     obstacle = gluon_device_obstacle(inputs.device_type, inputs.capability, inputs.interpreter,
                                      inputs.gluon_available, inputs.dtype, "the Gluon backward")
@@ -80,7 +80,7 @@ def plan_backward(inputs: BackwardInputs) -> BackwardPlan:
     """The backward kernel of a call and why."""
     if inputs.backend == "TRITON":
         return BackwardPlan("triton", "kernel_options BWD_BACKEND='TRITON'")
-    obstacle = _gluon_obstacle(inputs)
+    obstacle = gluon_obstacle(inputs)
     if inputs.backend == "GLUON":
         if obstacle is not None:
             raise ValueError(f"flexattn: kernel_options BWD_BACKEND='GLUON' cannot run this call: {obstacle}")

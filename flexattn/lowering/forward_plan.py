@@ -82,7 +82,7 @@ def gluon_device_obstacle(device_type: str, capability: tuple[int, int] | None, 
     return None
 
 
-def _gluon_obstacle(inputs: ForwardInputs) -> str | None:
+def gluon_obstacle(inputs: ForwardInputs) -> str | None:
     """Why the Gluon kernel cannot run the call (None: it can)."""
     obstacle = gluon_device_obstacle(inputs.device_type, inputs.capability, inputs.interpreter,
                                      inputs.gluon_available, inputs.dtype, "the Gluon kernel")
@@ -120,7 +120,7 @@ def plan_forward(inputs: ForwardInputs) -> ForwardPlan:
     """The forward kernel of a call and why."""
     if inputs.backend == "TRITON":
         return ForwardPlan("triton", "kernel_options BACKEND='TRITON'")
-    obstacle = _gluon_obstacle(inputs)
+    obstacle = gluon_obstacle(inputs)
     if inputs.backend == "GLUON":
         if obstacle is not None:
             raise ValueError(f"flexattn: kernel_options BACKEND='GLUON' cannot run this call: {obstacle}")

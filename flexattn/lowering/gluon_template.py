@@ -12,8 +12,10 @@ differ, and ``GluonTemplate`` owns them:
   exception is the ``tl.full([1, ...], value, dtype)`` Inductor writes for typed
   constants, which Gluon refuses (it needs a layout, and it broadcasts only between equal
   ranks). ``gluon_compatible`` makes those typed scalars, which broadcast to any tile, and
-  ``GluonTemplateKernel.size`` does the same for the ``tl.full([], n, dtype=INDEX_DTYPE)``
-  some torch releases write for sizes under 64-bit indexing;
+  calls the Gluon helpers' ``mod_maximum`` and ``mod_minimum`` for Inductor's Triton helpers
+  of the same name, which build such a tensor inside (a clamp in a relative-position bias); ``GluonTemplateKernel.size`` does the same for the
+  ``tl.full([], n, dtype=INDEX_DTYPE)`` some torch releases write for sizes under 64-bit
+  indexing;
 * Inductor's autotuner compiles every kernel as Triton-language source; the rendered
   module calls ``_compat.compile_gluon_kernels_as_gluon`` so that Gluon functions are
   compiled as Gluon (in compile workers too).
@@ -28,12 +30,15 @@ from torch._inductor.select_algorithm import TritonTemplate, TritonTemplateKerne
 #: A typed constant as Inductor writes it: ``tl.full([1, 1], 0, tl.int32)``, the value a
 #: literal (``-1.0``, ``0x80000000``, ``float("inf")``).
 _TYPED_CONSTANT = re.compile(r"tl\.full\((\[1(?:, 1)*\]), ((?:float\(\"[^\"]*\"\)|[^,()\s]+)), (tl\.\w+)\)")
+#: Inductor's Triton helpers that build layout-less tensors, called in a mod's code.
+_LAYOUTLESS_HELPERS = re.compile(r"\btriton_helpers\.(maximum|minimum)\(")
 
 
 def gluon_compatible(source: str) -> str:
     """Inductor's generated Triton-language ``source`` as Gluon accepts it inside a
-    kernel whose tensors carry layouts: typed constants become typed scalars."""
-    return _TYPED_CONSTANT.sub(r"tl.cast(\2, \3)", source)
+    kernel whose tensors carry layouts: typed constants become typed scalars, and the
+    helpers that build layout-less tensors become the Gluon helpers' ``mod_*``."""
+    return _LAYOUTLESS_HELPERS.sub(r"mod_\1(", _TYPED_CONSTANT.sub(r"tl.cast(\2, \3)", source))
 
 
 class GluonTemplateKernel(TritonTemplateKernel):
