@@ -15,8 +15,6 @@ gradients from the first variant's. Variants of the Gluon template's text:
   kept; its dQ is 0: what dQ costs);
 - GLUON:noadd: the dQ products and their shared-memory stores, no bulk adds (dQ is 0: what
   the adds cost);
-- GLUON:dqlate: each tile's dQ product left in flight over the next tile's S^T and dP^T, its
-  store and add made then (offline, Triton 3.6: no spills at D=64, 1.7 KB a thread at D=128);
 - GLUON:file:PATH: the kernel source saved in PATH, helpers included (e.g. another
   revision's ``gluon_kernel_source("gluon_backward")``).
 """
@@ -51,57 +49,6 @@ def _sub_once(pattern: re.Pattern, repl: str, text: str) -> str:
     return out
 
 
-def _dq_store_add(indent: str, tile: str) -> str:
-    """The store and bulk add of the dQ product waited as ``dq_done`` for tile ``tile``."""
-    return "\n".join(indent + line for line in (
-        "mbarrier.arrive(ds_free)",
-        f"buf = dq_smem.index(WARPGROUP * 2 + (({tile} - 1) & 1))",
-        "tma.store_wait(1)",
-        "buf.store(dq_done)",
-        "fence_async_shared()",
-        "tma_atomic_add(dq_desc, [off_z.to(gl.int32), dq_hq.to(gl.int32), dq_m.to(gl.int32), WARPGROUP * HALF_D],",
-        "               buf.reshape([1, 1, BLOCK_M, HALF_D]))")) + "\n"
-
-
-# GLUON:dqlate: (old text, new text) pairs, each found once.
-_DQ_LATE = (
-    ("warpgroup_mma,\n                                                               warpgroup_mma_wait)",
-     "warpgroup_mma,\n                                                               warpgroup_mma_init, warpgroup_mma_wait)"),
-    ("""    mbarrier.wait(kv_ready, 0)
-    done = 0
-""", """    mbarrier.wait(kv_ready, 0)
-    done = 0
-    # The last tile's dQ product, left in flight over the next tile's S^T and dP^T.
-    dq = warpgroup_mma_init(no_dq)
-    dq_hq = off_hkv * 0
-    dq_m = off_hkv * 0
-"""),
-    ("""            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-""", """            tile = done + it
-            dq_done = warpgroup_mma_wait(num_outstanding=2, deps=(dq, ))
-            if tile > 0:
-""" + _dq_store_add(" " * 16, "tile") + """            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-"""),
-    ("""            tile = done + it
-            mbarrier.wait(ds_free, (tile & 1) ^ 1)""", """            mbarrier.wait(ds_free, (tile & 1) ^ 1)"""),
-    ("""            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            mbarrier.arrive(ds_free)
-            buf = dq_smem.index(WARPGROUP * 2 + (tile & 1))
-            tma.store_wait(1)
-            buf.store(dq)
-            fence_async_shared()
-            tma_atomic_add(dq_desc, [off_z.to(gl.int32), off_hq.to(gl.int32), start_m.to(gl.int32),
-                                     WARPGROUP * HALF_D], buf.reshape([1, 1, BLOCK_M, HALF_D]))
-        done += num_tiles
-""", """            dq_hq = off_hq
-            dq_m = start_m
-        done += num_tiles
-    dq_done = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-    if done > 0:
-""" + _dq_store_add(" " * 8, "done")),
-)
-
-
 def variant_source(name: str, text: str) -> str:
     """The Gluon backward template's text for variant ``name`` (see the module docstring)."""
     kind = name.split(":", 1)[1] if ":" in name else ""
@@ -111,11 +58,6 @@ def variant_source(name: str, text: str) -> str:
         return _sub_once(_DQ_WORK, _DQ_KEEP, text)
     if kind == "noadd":
         return _sub_once(_ADD, "", text)
-    if kind == "dqlate":
-        for old, new in _DQ_LATE:
-            assert text.count(old) == 1, f"the template no longer has the text {old[:60]!r}"
-            text = text.replace(old, new)
-        return text
     if kind.startswith("file:"):
         with open(kind[len("file:"):]) as f:
             return f.read()
