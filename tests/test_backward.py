@@ -326,6 +326,22 @@ def test_elementwise_max_and_min_of_scores():
     run_case(dtype=torch.float16, Hq=H, L=n, S=n, make_mods=make, block_size=scaled(16, 128))
 
 
+def test_document_masks_from_start_offsets_by_search():
+    """A document mask written as users write it from cumulative lengths, the document of a
+    position found with torch.searchsorted (queries) and torch.bucketize (keys): forward
+    and backward within the three-way bound."""
+    n = scaled(80, 700)
+    starts = torch.tensor([0, 9, 10, n // 3, n // 2 + 5, n - 1], device=DEVICE)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_doc = torch.searchsorted(starts, q_idx, right=True)
+        kv_doc = torch.bucketize(kv_idx, starts, right=True)
+        return (q_doc == kv_doc) & (q_idx >= kv_idx)
+
+    run_case(dtype=torch.float16, Hq=2, L=n, S=n, make_mods=lambda gen: ((lambda bufs: (None, mask_mod)), []),
+             block_size=scaled(16, 128))
+
+
 def test_relative_bias_with_document_mask_gqa():
     n = scaled(64, 640)
     doc = mods.document_mask(_doc_ids(n))

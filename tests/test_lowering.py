@@ -409,3 +409,34 @@ def test_config_filter():
     with pytest.raises(config_base.ConfigError):
         cfgs.usable_configs([big], {"BLOCK_M": 256}, sparse_q=128, sparse_kv=128, qk_dim_pad=64,
                             v_dim_pad=64, elem_bytes=2, smem_limit=None)
+
+
+# --------------------------------------------------------------------------------------
+# Lookups in a sorted captured tensor (bucketize, searchsorted)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("out_int32", [False, True], ids=["int64", "int32"])
+@pytest.mark.parametrize("right", [False, True], ids=["left", "right"])
+@pytest.mark.parametrize("op", ["bucketize", "searchsorted"])
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 13])
+def test_sorted_searches_unroll_to_the_same_positions(n, op, right, out_int32):
+    """The unrolled binary search gives torch's position for every value below, between,
+    on (repeated entries included) and above a sorted table's entries."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from flexattn.lowering.subgraph import unroll_sorted_searches
+
+    table = torch.randint(0, 3 * n, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int32).sort().values
+
+    def search(value, table):
+        if op == "bucketize":
+            return torch.bucketize(value, table, right=right, out_int32=out_int32)
+        return torch.searchsorted(table, value, right=right, out_int32=out_int32)
+
+    graph = make_fx(search)(torch.tensor(0), table)
+    unroll_sorted_searches(graph)
+    searches = {torch.ops.aten.bucketize.Tensor, torch.ops.aten.searchsorted.Tensor}
+    assert not any(node.target in searches for node in graph.graph.nodes)
+    for value in range(-2, 3 * n + 2):
+        got, want = graph(torch.tensor(value), table), search(torch.tensor(value), table)
+        assert got.dtype == want.dtype and got.item() == want.item(), (value, table.tolist())
+

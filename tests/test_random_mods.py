@@ -185,8 +185,10 @@ def _mask_term(rng: random.Random, kind: str, float_dtypes: Sequence[str], L: in
     if kind == "window":
         return Term(kind, (("width", rng.randint(1, max(L, S))), ("causal", rng.random() < 0.5)))
     if kind == "document":
-        # Ids shared by the batch, one row per batch element, or mods.document_mask_from_offsets.
-        return Term(kind, (("docs", rng.randint(1, 6)), ("ids", rng.choice(("shared", "per_batch", "offsets"))),
+        # Ids shared by the batch, one row per batch element, mods.document_mask_from_offsets,
+        # or start offsets searched (torch.searchsorted / torch.bucketize).
+        return Term(kind, (("docs", rng.randint(1, 6)),
+                           ("ids", rng.choice(("shared", "per_batch", "offsets", "search"))),
                            ("dtype", rng.choice(DATA_INT_DTYPES))))
     if kind == "prefix":
         if rng.random() < 0.5:
@@ -373,6 +375,10 @@ def _mask_fn(term: Term, case: Case, gen: torch.Generator, device) -> MaskMod:
             cuts = torch.randint(0, n + 1, (term["docs"],), generator=gen).sort().values
             cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), cuts]).to(device, _dtype(term["dtype"]))
             return mods.document_mask_from_offsets(cu_seqlens, n)
+        if term["ids"] == "search":
+            starts = torch.randint(0, n + 1, (term["docs"],), generator=gen).sort().values.to(device, _dtype(term["dtype"]))
+            return lambda b, h, q_idx, kv_idx: (torch.searchsorted(starts, q_idx, right=True)
+                                                == torch.bucketize(kv_idx, starts, right=True))
         if term["ids"] == "per_batch":
             ids = torch.stack([_doc_ids(gen, term, n) for _ in range(case.B)])
         else:

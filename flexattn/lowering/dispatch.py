@@ -27,7 +27,7 @@ from .decode_plan import wants_decode_kernel
 from .forward import lower_forward
 from .forward_plan import forward_inputs, plan_forward
 from .gluon_forward import lower_gluon_forward
-from .subgraph import inline_scalar_items
+from .subgraph import inline_scalar_items, unroll_sorted_searches
 
 log = logging.getLogger("flexattn.lowering")
 
@@ -41,6 +41,7 @@ def lower_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
     """The lowering registered for ``flexattn._hop.flex_attention_hop``. Dropout is the
     forward kernel's alone: such a call never takes the decode kernel."""
     inline_scalar_items(score_mod, BlockMaskView(*block_mask).mask_mod)
+    unroll_sorted_searches(score_mod, BlockMaskView(*block_mask).mask_mod)
     check_positive_lengths(query, key)
     args = (query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers,
             sinks)
@@ -73,6 +74,7 @@ def lower_flex_attention_backward(query, key, value, out, logsumexp, grad_out, g
     kernel recomputes probabilities from the forward's lse, which already holds the
     sinks, so only the dense path reads them."""
     inline_scalar_items(fw_graph, joint_graph, BlockMaskView(*block_mask).mask_mod)
+    unroll_sorted_searches(fw_graph, joint_graph, BlockMaskView(*block_mask).mask_mod)
     check_positive_lengths(query, key)
     device = query.get_device()
     if uses_engine(device):

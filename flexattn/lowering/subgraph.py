@@ -310,3 +310,77 @@ def inline_scalar_items(*subgraphs) -> None:
         if changed:
             gm.graph.lint()
             gm.recompile()
+
+
+def _search_operands(node: torch.fx.Node):
+    """(value, sorted boundaries, right, out_int32) of a ``bucketize`` / ``searchsorted``
+    node that ``unroll_sorted_searches`` can rewrite, else None."""
+    aten = torch.ops.aten
+    if node.target is aten.bucketize.Tensor:
+        value, boundaries = node.args[0], node.args[1]
+        out_int32 = node.kwargs.get("out_int32", node.args[2] if len(node.args) > 2 else False)
+        right = node.kwargs.get("right", node.args[3] if len(node.args) > 3 else False)
+    elif node.target is aten.searchsorted.Tensor:
+        boundaries, value = node.args[0], node.args[1]
+        options = dict(zip(("out_int32", "right", "side", "sorter"), node.args[2:]), **node.kwargs)
+        if options.get("sorter") is not None:
+            return None
+        out_int32 = options.get("out_int32", False)
+        right = options.get("right", False) or options.get("side") == "right"
+    else:
+        return None
+    examples = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (value, boundaries)]
+    if not all(isinstance(e, torch.Tensor) for e in examples) or examples[0].dim() != 0 or examples[1].dim() != 1:
+        return None
+    if not isinstance(examples[1].shape[0], int):
+        return None
+    return value, boundaries, bool(right), bool(out_int32)
+
+
+def unroll_sorted_searches(*subgraphs) -> None:
+    """Let mods look a value up in a sorted captured tensor, in place.
+
+    ``torch.bucketize(q_idx, offsets)`` and ``torch.searchsorted(offsets, q_idx)`` (a
+    document's index from its start offsets) lower to an op that no kernel can inline
+    ("buffers cannot be created while lowering a pointwise subgraph"). On a 1-d table of
+    static length n both equal the number of entries before the value (``< value``, or
+    ``<= value`` with right=True), which ceil(log2(n + 1)) steps of a branchless binary
+    search find with elementwise ops and gathers only: each step reads one entry.
+    """
+    aten, convert = torch.ops.aten, torch.ops.prims.convert_element_type.default
+    for subgraph in subgraphs:
+        gm = getattr(subgraph, "graph_module", subgraph)
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in list(gm.graph.nodes):
+            operands = _search_operands(node) if node.op == "call_function" else None
+            if operands is None:
+                continue
+            value, boundaries, right, out_int32 = operands
+            n = boundaries.meta["val"].shape[0]
+            graph = gm.graph
+            with graph.inserting_before(node):
+                # 0 of the position's dtype whatever the value's (NaN < NaN is false too).
+                pos = graph.call_function(convert, (graph.call_function(aten.lt.Tensor, (value, value)), torch.int64))
+                step = 1 << max(n.bit_length() - 1, 0)
+                while n and step:
+                    candidate = graph.call_function(aten.add.Tensor, (pos, step))
+                    within = graph.call_function(aten.le.Scalar, (candidate, n))
+                    # Entry candidate - 1, or entry 0 (a valid read, not taken) past the end.
+                    index = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.sub.Tensor, (candidate, 1)),
+                                                                  graph.call_function(convert, (within, torch.int64))))
+                    entry = graph.call_function(aten.index.Tensor, (boundaries, [index]))
+                    before = graph.call_function(aten.le.Tensor if right else aten.lt.Tensor, (entry, value))
+                    take = graph.call_function(aten.bitwise_and.Tensor, (before, within))
+                    pos = graph.call_function(aten.where.self, (take, candidate, pos))
+                    step >>= 1
+                if out_int32:
+                    pos = graph.call_function(convert, (pos, torch.int32))
+            node.replace_all_uses_with(pos)
+            graph.erase_node(node)
+            changed = True
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
+
