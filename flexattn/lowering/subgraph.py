@@ -18,7 +18,7 @@ enclosing graph before the builder runs.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch._inductor import ir
@@ -294,19 +294,30 @@ def inline_scalar_items(*subgraphs) -> None:
     every elementwise op accepts in its place (a 0-d tensor does not change the result
     dtype of an op on a dimensioned one).
     """
+    def inline(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+        if node.op != "call_function" or node.target is not torch.ops.aten._local_scalar_dense.default:
+            return False
+        source = node.args[0]
+        example = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if not (isinstance(example, torch.Tensor) and example.dim() == 0):
+            return False
+        node.replace_all_uses_with(source)
+        gm.graph.erase_node(node)
+        return True
+
+    _rewrite_nodes(subgraphs, inline)
+
+
+def _rewrite_nodes(subgraphs, rewrite: Callable[[torch.fx.GraphModule, torch.fx.Node], bool]) -> None:
+    """``rewrite(graph_module, node)`` on every node of each subgraph's graph module (a HOP
+    subgraph's or a GraphModule itself), which is recompiled where one returns True."""
     for subgraph in subgraphs:
         gm = getattr(subgraph, "graph_module", subgraph)
         if not isinstance(gm, torch.fx.GraphModule):
             continue
         changed = False
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
-                source = node.args[0]
-                example = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-                if isinstance(example, torch.Tensor) and example.dim() == 0:
-                    node.replace_all_uses_with(source)
-                    gm.graph.erase_node(node)
-                    changed = True
+            changed |= rewrite(gm, node)
         if changed:
             gm.graph.lint()
             gm.recompile()
@@ -348,39 +359,34 @@ def unroll_sorted_searches(*subgraphs) -> None:
     search find with elementwise ops and gathers only: each step reads one entry.
     """
     aten, convert = torch.ops.aten, torch.ops.prims.convert_element_type.default
-    for subgraph in subgraphs:
-        gm = getattr(subgraph, "graph_module", subgraph)
-        if not isinstance(gm, torch.fx.GraphModule):
-            continue
-        changed = False
-        for node in list(gm.graph.nodes):
-            operands = _search_operands(node) if node.op == "call_function" else None
-            if operands is None:
-                continue
-            value, boundaries, right, out_int32 = operands
-            n = boundaries.meta["val"].shape[0]
-            graph = gm.graph
-            with graph.inserting_before(node):
-                # 0 of the position's dtype whatever the value's (NaN < NaN is false too).
-                pos = graph.call_function(convert, (graph.call_function(aten.lt.Tensor, (value, value)), torch.int64))
-                step = 1 << max(n.bit_length() - 1, 0)
-                while n and step:
-                    candidate = graph.call_function(aten.add.Tensor, (pos, step))
-                    within = graph.call_function(aten.le.Scalar, (candidate, n))
-                    # Entry candidate - 1, or entry 0 (a valid read, not taken) past the end.
-                    index = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.sub.Tensor, (candidate, 1)),
-                                                                  graph.call_function(convert, (within, torch.int64))))
-                    entry = graph.call_function(aten.index.Tensor, (boundaries, [index]))
-                    before = graph.call_function(aten.le.Tensor if right else aten.lt.Tensor, (entry, value))
-                    take = graph.call_function(aten.bitwise_and.Tensor, (before, within))
-                    pos = graph.call_function(aten.where.self, (take, candidate, pos))
-                    step >>= 1
-                if out_int32:
-                    pos = graph.call_function(convert, (pos, torch.int32))
-            node.replace_all_uses_with(pos)
-            graph.erase_node(node)
-            changed = True
-        if changed:
-            gm.graph.lint()
-            gm.recompile()
+
+    def unroll(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+        operands = _search_operands(node) if node.op == "call_function" else None
+        if operands is None:
+            return False
+        value, boundaries, right, out_int32 = operands
+        n = boundaries.meta["val"].shape[0]
+        graph = gm.graph
+        with graph.inserting_before(node):
+            # 0 of the position's dtype whatever the value's (NaN < NaN is false too).
+            pos = graph.call_function(convert, (graph.call_function(aten.lt.Tensor, (value, value)), torch.int64))
+            step = 1 << max(n.bit_length() - 1, 0)
+            while n and step:
+                candidate = graph.call_function(aten.add.Tensor, (pos, step))
+                within = graph.call_function(aten.le.Scalar, (candidate, n))
+                # Entry candidate - 1, or entry 0 (a valid read, not taken) past the end.
+                index = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.sub.Tensor, (candidate, 1)),
+                                                              graph.call_function(convert, (within, torch.int64))))
+                entry = graph.call_function(aten.index.Tensor, (boundaries, [index]))
+                before = graph.call_function(aten.le.Tensor if right else aten.lt.Tensor, (entry, value))
+                take = graph.call_function(aten.bitwise_and.Tensor, (before, within))
+                pos = graph.call_function(aten.where.self, (take, candidate, pos))
+                step >>= 1
+            if out_int32:
+                pos = graph.call_function(convert, (pos, torch.int32))
+        node.replace_all_uses_with(pos)
+        graph.erase_node(node)
+        return True
+
+    _rewrite_nodes(subgraphs, unroll)
 
