@@ -440,3 +440,23 @@ def test_sorted_searches_unroll_to_the_same_positions(n, op, right, out_int32):
         got, want = graph(torch.tensor(value), table), search(torch.tensor(value), table)
         assert got.dtype == want.dtype and got.item() == want.item(), (value, table.tolist())
 
+
+
+def test_a_searched_table_of_changing_length_is_refused_with_the_rewrite():
+    """A start-offsets table whose length changes between calls turns dynamic; the search
+    cannot be unrolled over a symbolic length, and the error says to pad the table."""
+    compiled = torch.compile(flexattn.flex_attention)
+    n = 128
+    q = torch.randn(1, 2, n, 16, device=DEVICE)
+    for count in (3, 4):
+        starts = torch.tensor([0, 40, 90, 100][:count], device=DEVICE)
+
+        def mask_mod(b, h, q_idx, kv_idx, starts=starts):
+            return torch.searchsorted(starts, q_idx, right=True) == torch.searchsorted(starts, kv_idx, right=True)
+
+        block_mask = create_block_mask(mask_mod, None, None, n, n, device=DEVICE)
+        if count == 3:
+            compiled(q, q, q, block_mask=block_mask)
+        else:
+            with pytest.raises(Exception, match="needs a table of static length.*pad it to one length"):
+                compiled(q, q, q, block_mask=block_mask)

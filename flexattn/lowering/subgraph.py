@@ -343,8 +343,6 @@ def _search_operands(node: torch.fx.Node):
     examples = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (value, boundaries)]
     if not all(isinstance(e, torch.Tensor) for e in examples) or examples[0].dim() != 0 or examples[1].dim() != 1:
         return None
-    if not isinstance(examples[1].shape[0], int):
-        return None
     return value, boundaries, bool(right), bool(out_int32)
 
 
@@ -367,6 +365,11 @@ def unroll_sorted_searches(*subgraphs) -> None:
         value, boundaries, right, out_int32 = operands
         n = boundaries.meta["val"].shape[0]
         graph = gm.graph
+        if not isinstance(n, int):
+            raise ModLoweringError(
+                f"flexattn: {node.target} in a mod needs a table of static length, got length {n} (a table "
+                f"whose length changed between calls turns dynamic): pad it to one length, the entries past "
+                f"the last start set to the sequence length, so that no position is found past them")
         with graph.inserting_before(node):
             # 0 of the position's dtype whatever the value's (NaN < NaN is false too).
             pos = graph.call_function(convert, (graph.call_function(aten.lt.Tensor, (value, value)), torch.int64))
