@@ -441,7 +441,6 @@ def test_sorted_searches_unroll_to_the_same_positions(n, op, right, out_int32):
         assert got.dtype == want.dtype and got.item() == want.item(), (value, table.tolist())
 
 
-
 def test_a_searched_table_of_changing_length_is_refused_with_the_rewrite():
     """A start-offsets table whose length changes between calls turns dynamic; the search
     cannot be unrolled over a symbolic length, and the error says to pad the table."""

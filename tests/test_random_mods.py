@@ -55,7 +55,7 @@ ON_SM90 = ON_CUDA and torch.cuda.get_device_capability() == (9, 0)
 NUM_DRAWS = int(os.environ.get("FLEXATTN_RANDOM_DRAWS", 300 if ON_CUDA else 24))
 FIRST_SEED = int(os.environ.get("FLEXATTN_RANDOM_FIRST_SEED", 0))
 GLUON_DRAWS = max(1, NUM_DRAWS // 5)
-# What the Gluon kernels take (flexattn/configs/gluon.py, gluon_backward.py).
+# What the Gluon kernels take (flexattn/lowering/configs/gluon_forward.py, gluon_backward.py).
 GLUON_INPUT_DTYPES = ("float16", "bfloat16")
 GLUON_HEAD_DIMS = (64, 128)
 

@@ -11,11 +11,11 @@ differ, and ``GluonTemplate`` owns them:
   on tensors that here carry layouts. Nearly all of it is valid Gluon as it stands; the
   exception is the ``tl.full([1, ...], value, dtype)`` Inductor writes for typed
   constants, which Gluon refuses (it needs a layout, and it broadcasts only between equal
-  ranks). ``gluon_compatible`` makes those typed scalars, which broadcast to any tile, and
-  calls the Gluon helpers' ``mod_maximum`` and ``mod_minimum`` for Inductor's Triton helpers
-  of the same name, which build such a tensor inside (a clamp in a relative-position bias); ``GluonTemplateKernel.size`` does the same for the
-  ``tl.full([], n, dtype=INDEX_DTYPE)`` some torch releases write for sizes under 64-bit
-  indexing;
+  ranks). ``gluon_compatible`` makes those typed scalars, which broadcast to any tile
+  (``GluonTemplateKernel.size`` does the same for the ``tl.full([], n, dtype=INDEX_DTYPE)``
+  some torch releases write for sizes under 64-bit indexing), and calls the Gluon helpers'
+  ``mod_maximum`` and ``mod_minimum`` for Inductor's Triton helpers of the same name, which
+  build such a tensor inside (a clamp in a relative-position bias);
 * Inductor's autotuner compiles every kernel as Triton-language source; the rendered
   module calls ``_compat.compile_gluon_kernels_as_gluon`` so that Gluon functions are
   compiled as Gluon (in compile workers too).

@@ -327,19 +327,16 @@ def _search_operands(node: torch.fx.Node):
     """(value, sorted boundaries, right, out_int32) of a ``bucketize`` / ``searchsorted``
     node that ``unroll_sorted_searches`` can rewrite, else None."""
     aten = torch.ops.aten
+    # Both ops take their options as keywords only.
+    options = node.kwargs
     if node.target is aten.bucketize.Tensor:
-        value, boundaries = node.args[0], node.args[1]
-        out_int32 = node.kwargs.get("out_int32", node.args[2] if len(node.args) > 2 else False)
-        right = node.kwargs.get("right", node.args[3] if len(node.args) > 3 else False)
-    elif node.target is aten.searchsorted.Tensor:
-        boundaries, value = node.args[0], node.args[1]
-        options = dict(zip(("out_int32", "right", "side", "sorter"), node.args[2:]), **node.kwargs)
-        if options.get("sorter") is not None:
-            return None
-        out_int32 = options.get("out_int32", False)
-        right = options.get("right", False) or options.get("side") == "right"
+        value, boundaries = node.args
+    elif node.target is aten.searchsorted.Tensor and options.get("sorter") is None:
+        boundaries, value = node.args
     else:
         return None
+    out_int32 = options.get("out_int32", False)
+    right = options.get("right", False) or options.get("side") == "right"
     examples = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (value, boundaries)]
     if not all(isinstance(e, torch.Tensor) for e in examples) or examples[0].dim() != 0 or examples[1].dim() != 1:
         return None
@@ -392,4 +389,3 @@ def unroll_sorted_searches(*subgraphs) -> None:
         return True
 
     _rewrite_nodes(subgraphs, unroll)
-
