@@ -170,6 +170,18 @@ def doc_ids_causal(shape: Shape, device: torch.device) -> Built:
     return Built(mask_mod, shape.S, shape.S)
 
 
+def doc_search_causal(shape: Shape, device: torch.device) -> Built:
+    """The documents found by searching their start offsets (no per-token table)."""
+    _, offsets = _doc_tables(shape.S, device)
+    starts = offsets[:-1].contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = torch.searchsorted(starts, q_idx, right=True) == torch.searchsorted(starts, kv_idx, right=True)
+        return same & (q_idx >= kv_idx)
+
+    return Built(mask_mod, shape.S, shape.S)
+
+
 def doc_ids(shape: Shape, device: torch.device) -> Built:
     doc, _ = _doc_tables(shape.S, device)
 
@@ -315,6 +327,7 @@ FORMULATIONS = {f.name: f for f in (
     Formulation("doc_offsets_bounds", doc_offsets_bounds, "softcap"),
     Formulation("doc_ids_causal", doc_ids_causal, "alibi"),
     Formulation("doc_ids", doc_ids, "softcap"),
+    Formulation("doc_search_causal", doc_search_causal, "softcap"),
     Formulation("neighbourhood_2d", neighbourhood_2d, "alibi"),
     Formulation("neighbourhood_2d_tiled", _neighbourhood_2d_table("tiled"), "softcap"),
     Formulation("neighbourhood_2d_morton", _neighbourhood_2d_table("morton"), "alibi"),
