@@ -146,8 +146,9 @@ OPTIONS: tuple[KernelOption, ...] = (
                  choices=("AUTO", "TRITON", "GLUON", "TRITON_DECODE", "FLASH")),
     KernelOption("BWD_BACKEND", "str", "AUTO", _BWD,
                  "which backward kernel: AUTO (flexattn's choice: the warp-specialised Hopper backward for "
-                 "queries and keys of 4096 or more at head dim 128 and 8192 or more at 64 whose mask_mod reads "
-                 "no captured tensors, else the Triton template), TRITON, GLUON (the Hopper backward; an error "
+                 "queries and keys of 4096 or more at head dim 128 and 8192 or more at 64, batch x heads x "
+                 "queries x keys x head dim of 2**36 or more, whose mask_mod reads no captured tensors, else the "
+                 "Triton template), TRITON, GLUON (the Hopper backward; an error "
                  "where it does not cover the call)",
                  choices=("AUTO", "TRITON", "GLUON")),
     KernelOption("NUM_PROGRAMS", "int", PER_CALL, ("forward",),

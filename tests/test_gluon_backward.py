@@ -49,6 +49,10 @@ def test_the_backend_option_forces_either_kernel():
     (dict(qk_head_dim=64, v_head_dim=64), "gluon", "long sequences"),
     (dict(qk_head_dim=64, v_head_dim=64, q_len=4096, kv_len=4096), "triton", "below 8192 at head dim 64"),
     (dict(q_len=None), "triton", "symbolic lengths"),
+    (dict(q_len=4096, kv_len=4096, work=2 ** 36), "gluon", "long sequences"),
+    (dict(q_len=4096, kv_len=4096, work=2 ** 36 - 1), "triton", "a small call (batch x heads x queries x keys "
+                                                               "x head dim 68719476735 < 2**36)"),
+    (dict(work=None), "gluon", "long sequences"),
     (dict(mask_reads_memory=True), "triton", "a mask_mod reading captured tensors"),
     (dict(dtype=torch.float32), "triton", "dtype torch.float32"),
     (dict(buffer_grads=True), "triton", "gradients of captured tensors"),

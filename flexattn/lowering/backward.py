@@ -38,7 +38,7 @@ from ..templates import kernel_source
 from . import common
 from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, plan_buffer_grads
 from .backward_plan import BackwardInputs, plan_backward
-from .forward_plan import device_fields
+from .forward_plan import call_work, device_fields
 from .configs import backward as backward_configs
 from .configs import gluon_backward as gluon_backward_configs
 from .configs import tma as tma_configs
@@ -269,4 +269,5 @@ def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_s
         mask_reads_memory=common.mask_reads_memory(mask_mod_buffers),
         q_len=common.static_size(query.get_size()[-2]),
         kv_len=common.static_size(key.get_size()[-2]),
+        work=call_work(query, key),
     )

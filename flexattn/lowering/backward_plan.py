@@ -3,8 +3,9 @@ Hopper (``templates/gluon_backward.py.jinja``).
 
 A pure function of a frozen ``BackwardInputs``. kernel_options BWD_BACKEND="GLUON" forces
 the Gluon kernel (a ValueError naming the obstacle where it cannot run the call); AUTO
-takes it for long calls whose mask_mod reads no captured tensors, where it measured faster,
-and the Triton template otherwise (bench/DECISIONS.md#gluon-backward-default).
+takes it for long, large calls whose mask_mod reads no captured tensors, where it measured
+faster, and the Triton template otherwise (bench/DECISIONS.md#gluon-backward-default,
+#gluon-backward-small-calls).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class BackwardInputs:
     #: Query and key lengths (None: symbolic, one kernel for every length).
     q_len: int | None = None
     kv_len: int | None = None
+    #: batch x query heads x queries x keys x QK head dim (None: a size is symbolic).
+    work: int | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,10 @@ def plan_backward(inputs: BackwardInputs) -> BackwardPlan:
     if min(inputs.q_len, inputs.kv_len) < shortest:
         return BackwardPlan("triton", f"lengths {inputs.q_len}/{inputs.kv_len} below {shortest} at head dim "
                                       f"{inputs.qk_head_dim}: the Triton backward measured faster")
+    if inputs.work is not None and inputs.work < gluon_configs.AUTO_MIN_WORK:
+        return BackwardPlan("triton", f"a small call (batch x heads x queries x keys x head dim {inputs.work} "
+                                      f"< 2**{gluon_configs.AUTO_MIN_WORK.bit_length() - 1}): the Triton backward's "
+                                      f"launch costs the host less")
     if inputs.mask_reads_memory:
         return BackwardPlan("triton", "a mask_mod reading captured tensors: the Triton backward measured faster")
     return BackwardPlan("gluon", "sm90, 16-bit, TMA-ready layouts, long sequences")

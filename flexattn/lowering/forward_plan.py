@@ -163,7 +163,7 @@ def device_fields(query) -> dict[str, Any]:
             "interpreter": triton_interpreter_requested(), "gluon_available": gluon_available()}
 
 
-def _work(query, key) -> int | None:
+def call_work(query, key) -> int | None:
     """batch x heads x queries x keys x QK head dim of a call; None where a size is symbolic
     (a dynamic graph keeps one kernel for every size, so no size decides it)."""
     sizes = [common.static_size(n) for n in (*query.get_size(), key.get_size()[-2])]
@@ -204,7 +204,7 @@ def forward_inputs(query, key, value, block_mask, kernel_options: dict[str, Any]
         partial_heavy=_options.read_internal(kernel_options, "MASK_PARTIAL_HEAVY"),
         tma_forbidden=_options.forbids_tma(kernel_options),
         tma_requested=bool(_options.read(kernel_options, "USE_TMA")),
-        work=_work(query, key),
+        work=call_work(query, key),
         dense=common.dense_kv(kernel_options, bm.full_kv_num_blocks is not None),
         has_score_mod=not is_identity_score_mod(score_mod.graph_module),
     )
