@@ -231,8 +231,8 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
         if kind[i] != "scatter":
             offsets[i] = total
             total += int(sympy.prod([int(s) for s in score_mod_buffers[i].get_size()]))
-    # Without reduced terms the kernel never touches the workspace: an empty buffer spares
-    # the call a fill kernel's launch.
+    # Without reduced or diagonal terms the kernel never touches the workspace: an empty
+    # buffer spares the call a fill kernel's launch.
     workspace = (realize_fixed(lowerings[aten.full.default]([total], 0.0, dtype=torch.float32, device=device))
                  if total else signature_filler(device))
 
