@@ -49,8 +49,8 @@ SM90: dict[int, GluonBackwardConfig] = {
 #: bench/DECISIONS.md#gluon-backward-default).
 AUTO_MIN_LENGTH: dict[int, int] = {64: 8192, 128: 4096}
 
-#: ... and whose batch x query heads x queries x keys x head dim reaches this: below it the
-#: kernel's gain is smaller than what its launch adds on the host (Triton's own launcher,
-#: for the descriptors it builds on the device, and two more kernels for the float32 dQ)
+#: AUTO also needs batch x query heads x queries x keys x head dim of at least this: below
+#: it the kernel saves less than its launch adds on the host (Triton's own launcher, for the
+#: descriptors it builds on the device, and two more kernels for the float32 dQ)
 #: (bench/DECISIONS.md#gluon-backward-small-calls).
 AUTO_MIN_WORK = 2 ** 36
