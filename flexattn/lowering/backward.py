@@ -206,7 +206,8 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
               "workspace": grad_plan.workspace, "seed": common.seed_for_kernel(dropout_seed, device)}
     input_nodes = list(inputs.values())
     scatter_grads = grad_plan.scatter_grads
-    mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.reduced or grad_plan.diagonal else [])
+    uses_workspace = grad_plan.reduced or grad_plan.diagonal
+    mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if uses_workspace else [])
     choices, config_of_choice = common.template_choices(
         template, usable, what,
         lambda cfg: {**spec, **cfg.constexprs()},

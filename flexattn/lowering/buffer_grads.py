@@ -118,23 +118,13 @@ def scatter_terms(node: torch.fx.Node, buffer_rank: int, what: str) -> list[Scat
         f"0-d tensor used directly. Slices and partial indexing are not supported.")
 
 
-def _through_difference(index: torch.fx.Node, q_idx: torch.fx.Node, kv_idx: torch.fx.Node) -> bool:
-    """Whether ``index`` reads q_idx and kv_idx only through ``kv_idx - q_idx`` (or
-    ``q_idx - kv_idx``): then it is the same for every (q, kv) pair of a diagonal."""
-    pair = {q_idx, kv_idx}
-    seen, stack = set(), [index]
-    while stack:
-        n = stack.pop()
-        if n in pair:
-            return False
-        if n in seen:
-            continue
-        seen.add(n)
-        if (n.op == "call_function" and n.target is aten.sub.Tensor and len(n.args) == 2
-                and set(n.args) == pair):
-            continue
-        stack.extend(n.all_input_nodes)
-    return True
+def _through_difference(index: torch.fx.Node, pair: set) -> bool:
+    """Whether ``index`` reads q_idx and kv_idx (``pair``) only through ``kv_idx - q_idx``
+    (or ``q_idx - kv_idx``): then it is the same for every (q, kv) pair of a diagonal."""
+    def not_the_difference(n: torch.fx.Node) -> bool:
+        return not (n.target is aten.sub.Tensor and len(n.args) == 2 and set(n.args) == pair)
+
+    return not depends_on(index, pair, through=not_the_difference)
 
 
 def scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str,
@@ -206,8 +196,7 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
     results = joint_outputs(joint_gm)[1:]
     captured = as_tensor_boxes(score_mod_buffers)
     placeholders = [n for n in joint_gm.graph.nodes if n.op == "placeholder"]
-    per_pair_order = (placeholders[3], placeholders[4])  # q_idx, kv_idx (JOINT_ARGS order)
-    per_pair = set(per_pair_order)
+    per_pair = {placeholders[3], placeholders[4]}  # q_idx, kv_idx (JOINT_ARGS order)
 
     terms_of: dict[int, list[ScatterTerm]] = {}
     # How the kernel adds each buffer's gradient: "reduced", "diagonal" (both into the
@@ -221,7 +210,7 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
             static = all(isinstance(s, (int, sympy.Integer)) for s in sizes)
             if static and not any(depends_on(idx, per_pair) for idx in indices):
                 kind[i] = "reduced"
-            elif static and all(_through_difference(idx, *per_pair_order) for idx in indices):
+            elif static and all(_through_difference(idx, per_pair) for idx in indices):
                 kind[i] = "diagonal"
             else:
                 kind[i] = "scatter"
