@@ -147,7 +147,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
                                          fast_tanh=call.fast_tanh, out_dtype=stats_dtype(dtype))
     grad_plan = plan_buffer_grads(joint_gm, call.score_mod_buffers, wants, dtype, device, call.fast_tanh)
     subgraphs: list[Any] = [call.score_buffer, call.mask_buffer, grad_score_buffer, grad_plan.scatters,
-                            *grad_plan.reduced, *grad_plan.diagonal]
+                            *grad_plan.reduced]
 
     plan = plan_backward(backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, any(wants),
                                          mask_mod_buffers))
@@ -173,8 +173,6 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         HAS_BUFFER_GRADS=bool(grad_plan.scatters),
         NUM_REDUCED_GRAD_TERMS=len(grad_plan.reduced) // 2,
         REDUCED_GRAD_SUBGRAPH=REDUCED_GRAD_SUBGRAPH,
-        NUM_DIAGONAL_GRAD_TERMS=len(grad_plan.diagonal) // 2,
-        DIAGONAL_GRAD_SUBGRAPH=REDUCED_GRAD_SUBGRAPH + len(grad_plan.reduced),
         IS_DIVISIBLE_M=common.divisible(L, call.sparse_q),
         IS_DIVISIBLE_N=common.divisible(S, call.sparse_kv),
         **common.dropout_specialisations(kernel_options),
@@ -206,8 +204,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
               "workspace": grad_plan.workspace, "seed": common.seed_for_kernel(dropout_seed, device)}
     input_nodes = list(inputs.values())
     scatter_grads = grad_plan.scatter_grads
-    uses_workspace = grad_plan.reduced or grad_plan.diagonal
-    mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if uses_workspace else [])
+    mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.reduced else [])
     choices, config_of_choice = common.template_choices(
         template, usable, what,
         lambda cfg: {**spec, **cfg.constexprs()},

@@ -5,10 +5,8 @@ gradient and one gradient per captured tensor. Each captured-tensor gradient is
 recognised as a sum of scatters (``index_put(zeros, indices, values, accumulate=True)``,
 or a 0-d buffer's elementwise gradient) and rebuilt as template subgraphs
 (``plan_buffer_grads``): per-element ``atomic_add`` scatters into zero-filled float32
-buffers; for terms whose entry depends on b and h only, a tile-summed value with one
-atomic per tile into a workspace; for terms whose entry depends on q_idx and kv_idx only
-through their difference (a relative-position table), the tile's diagonal sums with one
-atomic per diagonal into the workspace. The result is cast to the buffer's dtype afterwards.
+buffers, or, for terms whose entry depends on b and h only, a tile-summed value with one
+atomic per tile into a workspace. The result is cast to the buffer's dtype afterwards.
 """
 
 from __future__ import annotations
@@ -118,15 +116,6 @@ def scatter_terms(node: torch.fx.Node, buffer_rank: int, what: str) -> list[Scat
         f"0-d tensor used directly. Slices and partial indexing are not supported.")
 
 
-def _through_difference(index: torch.fx.Node, pair: set) -> bool:
-    """Whether ``index`` reads q_idx and kv_idx (``pair``) only through ``kv_idx - q_idx``
-    (or ``q_idx - kv_idx``): then it is the same for every (q, kv) pair of a diagonal."""
-    def not_the_difference(n: torch.fx.Node) -> bool:
-        return not (n.target is aten.sub.Tensor and len(n.args) == 2 and set(n.args) == pair)
-
-    return not depends_on(index, pair, through=not_the_difference)
-
-
 def scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str,
                    fast_tanh: bool = False):
     """An IR loader of ``node`` (a 0-d value of the joint graph) for the template."""
@@ -148,22 +137,14 @@ class BufferGradPlan:
       the sum with one atomic into ``workspace`` at the term's index subgraph: one
       atomic per tile instead of one per element, and a tree sum instead of a long
       chain of float32 additions into one address.
-    * ``diagonal`` (pairs of subgraphs after the reduced ones): terms whose entry
-      depends on q_idx and kv_idx only through kv_idx - q_idx (a relative-position
-      table). Every pair of a tile's diagonal adds into the same entry, so the kernel
-      sums the tile along its diagonals and adds each sum with one atomic into
-      ``workspace``, at the index subgraph evaluated on one pair of the diagonal: as
-      many atomics as the tile has diagonals, instead of one per element contending
-      for the diagonal's address.
     * ``scatter_grads``: the zero-filled float32 buffers the scatters add into.
     * ``grads[i]``: the float32 gradient of captured tensor i (None if it needs none),
-      a view into ``workspace`` for the reduced and diagonal ones.
+      a view into ``workspace`` for the reduced ones.
     """
 
     scatters: list
     scatter_grads: list
     reduced: list
-    diagonal: list
     workspace: Any
     grads: list
 
@@ -199,41 +180,33 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
     per_pair = {placeholders[3], placeholders[4]}  # q_idx, kv_idx (JOINT_ARGS order)
 
     terms_of: dict[int, list[ScatterTerm]] = {}
-    # How the kernel adds each buffer's gradient: "reduced", "diagonal" (both into the
-    # workspace, so static sizes only) or "scatter" (see BufferGradPlan).
-    kind: dict[int, str] = {}
+    reducible: dict[int, bool] = {}
     for i, (buf, want, node) in enumerate(zip(score_mod_buffers, wants, results)):
         if want:
             sizes = list(buf.get_size())
             terms_of[i] = scatter_terms(node, len(sizes), f"captured tensor #{i} of score_mod")
-            indices = [idx for t in terms_of[i] for idx in t.indices]
-            static = all(isinstance(s, (int, sympy.Integer)) for s in sizes)
-            if static and not any(depends_on(idx, per_pair) for idx in indices):
-                kind[i] = "reduced"
-            elif static and all(_through_difference(idx, per_pair) for idx in indices):
-                kind[i] = "diagonal"
-            else:
-                kind[i] = "scatter"
+            reducible[i] = all(isinstance(s, (int, sympy.Integer)) for s in sizes) and not any(
+                depends_on(idx, per_pair) for t in terms_of[i] for idx in t.indices)
 
     offsets, total = {}, 0
     for i in terms_of:
-        if kind[i] != "scatter":
+        if reducible[i]:
             offsets[i] = total
             total += int(sympy.prod([int(s) for s in score_mod_buffers[i].get_size()]))
-    # Without reduced or diagonal terms the kernel never touches the workspace: an empty
-    # buffer spares the call a fill kernel's launch.
+    # Without reduced terms the kernel never touches the workspace: an empty buffer spares
+    # the call a fill kernel's launch.
     workspace = (realize_fixed(lowerings[aten.full.default]([total], 0.0, dtype=torch.float32, device=device))
                  if total else signature_filler(device))
 
     scatters: list[ir.ComputedBuffer] = []
-    workspace_terms: dict[str, list[ir.ComputedBuffer]] = {"reduced": [], "diagonal": []}
+    reduced: list[ir.ComputedBuffer] = []
     scatter_grads: list[Any] = []
     grads: list[Any] = [None] * len(score_mod_buffers)
     for i, terms in terms_of.items():
         what = f"captured tensor #{i} of score_mod"
-        sizes = [int(s) for s in score_mod_buffers[i].get_size()] if kind[i] != "scatter" \
+        sizes = [int(s) for s in score_mod_buffers[i].get_size()] if reducible[i] \
             else list(score_mod_buffers[i].get_size())
-        if kind[i] != "scatter":
+        if reducible[i]:
             numel = int(sympy.prod(sizes))
             view = lowerings[aten.slice.Tensor](ir.TensorBox(workspace), 0, offsets[i], offsets[i] + numel)
             grads[i] = lowerings[aten.view.default](view, sizes)
@@ -241,7 +214,7 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
                 value = build_mod_buffer(graph_returning(joint_gm, term.value), JOINT_ARGS, dtype, device,
                                          captured, what, fast_tanh=fast_tanh)
                 index_fns = [scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
-                workspace_terms[kind[i]] += [value, _linear_index_buffer(index_fns, sizes, offsets[i], device)]
+                reduced += [value, _linear_index_buffer(index_fns, sizes, offsets[i], device)]
             continue
         grad = realize_fixed(lowerings[aten.full.default](sizes, 0.0, dtype=torch.float32, device=device))
         grads[i] = grad
@@ -260,8 +233,7 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
                                  output_indexer=output_indexer, scatter_mode="atomic_add")
             scatters.append(ir.ComputedBuffer(name=grad.get_name(), layout=ir.MutationLayoutSHOULDREMOVE(grad),
                                               data=scatter))
-    return BufferGradPlan(scatters=scatters, scatter_grads=scatter_grads, reduced=workspace_terms["reduced"],
-                          diagonal=workspace_terms["diagonal"], workspace=workspace, grads=grads)
+    return BufferGradPlan(scatters=scatters, scatter_grads=scatter_grads, reduced=reduced, workspace=workspace, grads=grads)
 
 
 def finish_buffer_grad(grad, buf):

@@ -231,9 +231,8 @@ def round_comparison_scalars(graph_module: torch.fx.GraphModule) -> None:
         graph_module.recompile()
 
 
-def depends_on(node: torch.fx.Node, targets: set, through=lambda n: True) -> bool:
-    """Whether the fx ``node`` is computed from any of the nodes ``targets``, following
-    only the inputs of nodes for which ``through`` holds."""
+def depends_on(node: torch.fx.Node, targets: set) -> bool:
+    """Whether the fx ``node`` is computed from any of the nodes ``targets``."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
@@ -241,8 +240,7 @@ def depends_on(node: torch.fx.Node, targets: set, through=lambda n: True) -> boo
             return True
         if n not in seen:
             seen.add(n)
-            if through(n):
-                stack.extend(n.all_input_nodes)
+            stack.extend(n.all_input_nodes)
     return False
 
 
