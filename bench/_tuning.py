@@ -35,7 +35,7 @@ def compiled_own_code(name: str, signature: str, body: str, namespace: dict) -> 
     return torch.compile(namespace[name])
 
 
-_GLUON_TEMPLATES: dict[tuple[str, str], Any] = {}
+_TEMPLATES: dict[tuple[str, str], Any] = {}
 
 
 def install_gluon_template(kernel: str, name: str, source: str) -> None:
@@ -47,11 +47,24 @@ def install_gluon_template(kernel: str, name: str, source: str) -> None:
     from flexattn.lowering.gluon_template import GluonTemplate
 
     module = importlib.import_module(f"flexattn.lowering.gluon_{kernel}")
-    if (kernel, name) not in _GLUON_TEMPLATES:
-        _GLUON_TEMPLATES[kernel, name] = GluonTemplate(name=f"{module.TEMPLATE_NAME}_{len(_GLUON_TEMPLATES)}",
+    if (kernel, name) not in _TEMPLATES:
+        _TEMPLATES[kernel, name] = GluonTemplate(name=f"{module.TEMPLATE_NAME}_{len(_TEMPLATES)}",
                                                        grid=getattr(module, f"gluon_{kernel}_grid"), source=source)
-    setattr(module, f"gluon_{kernel}_template", _GLUON_TEMPLATES[kernel, name])
+    setattr(module, f"gluon_{kernel}_template", _TEMPLATES[kernel, name])
 
+
+
+def install_triton_backward_template(name: str, source: str) -> None:
+    """Point flexattn's Triton backward lowering at the template text ``source``, known as
+    variant ``name`` (one template per name for the process)."""
+    from torch._inductor.select_algorithm import TritonTemplate
+
+    from flexattn.lowering import backward
+
+    if ("triton_backward", name) not in _TEMPLATES:
+        _TEMPLATES["triton_backward", name] = TritonTemplate(
+            name=f"{backward.TEMPLATE_NAME}_{len(_TEMPLATES)}", grid=backward.backward_grid, source=source)
+    backward.backward_template = _TEMPLATES["triton_backward", name]
 
 def grid_settings(grid_json: str) -> list[dict]:
     """Every combination of a ``--grid`` JSON object (kernel_options key -> list of

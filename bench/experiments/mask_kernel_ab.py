@@ -7,8 +7,15 @@ VARIANTS_JSON: {name: kernel_options} (default AUTO, BACKEND TRITON, BACKEND GLU
 --mode fwdbwd times forward and backward together (backward tiles: the `bwd_` options);
 --top puts the suite's ALiBi or soft-cap score_mod on the mask. Prints one JSON line per
 formulation: the listed partial and full blocks per query block, each variant's and
-torch's do_bench milliseconds (launch included), and the largest difference of each
-variant's output (fwdbwd: and of its query gradient) from torch's.
+torch's do_bench milliseconds (launch included; with --rounds N, N rounds taken in turn and
+each one's list), and the largest difference of each variant's output (fwdbwd: and of its
+query gradient) from torch's.
+
+A variant's options may name a rewrite of the Triton backward template's text,
+``"_backward_text": "ds_once" | "dv_first" | "ds_once+dv_first"`` (Inductor's caches off then):
+``ds_once`` leaves dS unmasked after the joint graph (P is 0 where the mask is, so dS is, for
+score_mods whose gradient passes dS through: none, ALiBi; not a general rewrite);
+``dv_first`` issues dV's product before dP's, as torch's template does.
 """
 import argparse
 import json
@@ -19,8 +26,10 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 from torch.nn.attention import flex_attention as tf  # noqa: E402
 
+import _tuning  # noqa: E402
 import bench_user_masks as um  # noqa: E402
 import flexattn  # noqa: E402
+from flexattn.templates import kernel_source  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("names")
@@ -29,10 +38,39 @@ parser.add_argument("variants", nargs="?",
                     default='{"AUTO": {}, "TRITON": {"BACKEND": "TRITON"}, "GLUON": {"BACKEND": "GLUON"}}')
 parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
 parser.add_argument("--top", choices=("alibi", "softcap"))
+parser.add_argument("--rounds", type=int, default=1)
 args = parser.parse_args()
 D, variants = args.D, json.loads(args.variants)
 shape = um.Shape(4, 16, 8192)
 dev = torch.device("cuda")
+
+_DPT = "        dpT = tl.dot(v, tl.trans(do), input_precision=FLOAT32_PRECISION)\n"
+_DV = ("            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=FLOAT32_PRECISION, "
+       "out_dtype=dv.dtype)\n")
+_REWRITES = {
+    "ds_once": [("grad_scoresT = tl.where(valid, grad_scoresT, 0.0).to(q.dtype)", "grad_scoresT = grad_scoresT.to(q.dtype)"),
+                ("        grad_scores = tl.where(valid, grad_scores, 0.0)\n", "")],
+    "dv_first": [(_DPT, ""),
+                 ("dpT = tl.where(keptT, times(dpT, DROPOUT_SCALE), 0.0)",
+                  "dpT = tl.where(keptT, times(tl.dot(v, tl.trans(do), input_precision=FLOAT32_PRECISION), "
+                  "DROPOUT_SCALE), 0.0)"),
+                 (_DV, _DV + "    " + _DPT)],
+}
+
+
+def backward_text(rewrites: str) -> str:
+    """The Triton backward template's text with the named rewrites (each must match once)."""
+    from flexattn.templates import kernel_source
+    text = kernel_source("backward")
+    for name in rewrites.split("+"):
+        for old, new in _REWRITES[name]:
+            assert text.count(old) == 1, f"rewrite {name}: {old!r} found {text.count(old)} times"
+            text = text.replace(old, new)
+    return text
+
+
+if any("_backward_text" in opts for opts in variants.values()):
+    torch._inductor.config.force_disable_caches = True
 
 
 def timed(fn, q, k, v, grad):
@@ -66,19 +104,31 @@ for name in args.names.split(","):
     kv_num = fbm.kv_num_blocks.float().mean().item(); full = fbm.full_kv_num_blocks.float().mean().item()
     row = {"case": name, "D": D, "mode": args.mode, "top": args.top, "partial_blocks_per_row": round(kv_num, 1),
            "full_blocks_per_row": round(full, 1)}
-    outs = {}
-    for vname, opts in variants.items():
-        torch._dynamo.reset()
-        f = torch.compile(lambda q, k, v, o=opts: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=fbm,
-                                                                          kernel_options=o))
+    outs, fns = {}, {}
+    torch._dynamo.reset()
+    for i, (vname, opts) in enumerate(variants.items()):
+        opts = dict(opts)
+        text = opts.pop("_backward_text", None)
+        _tuning.install_triton_backward_template(text or "base", backward_text(text) if text else kernel_source("backward"))
+        # A code object per variant: later rounds call each again, its graph and kernels kept.
+        f = _tuning.compiled_own_code(f"variant_{i}", "q, k, v", "return flex_attention(q, k, v, score_mod=score_mod, "
+                                      "block_mask=block_mask, kernel_options=opts)",
+                                      {"flex_attention": flexattn.flex_attention, "score_mod": score_mod,
+                                       "block_mask": fbm, "opts": opts})
         try:
             out, dq, row[vname] = timed(f, q, k, v, grad)
-            outs[vname] = (out, dq)
+            outs[vname], fns[vname] = (out, dq), f
         except Exception as e:
             row[vname] = f"{type(e).__name__}: {str(e)[:200]}"
-    torch._dynamo.reset()
     t = torch.compile(lambda q, k, v: tf.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm))
     ref, ref_dq, row["torch"] = timed(t, q, k, v, grad)
+    if args.rounds > 1:
+        # Compiled functions keep their kernels: later rounds time them again in turn.
+        for vname in [*fns, "torch"]:
+            row[vname] = [row[vname]]
+        for _ in range(args.rounds - 1):
+            for vname, fn in [*fns.items(), ("torch", t)]:
+                row[vname].append(timed(fn, q, k, v, grad)[2])
     row["maxdiff"] = {k_: float((o.float() - ref.float()).abs().max()) for k_, (o, _) in outs.items()}
     if grad_on:
         row["maxdiff_dq"] = {k_: float((dq.float() - ref_dq.float()).abs().max()) for k_, (_, dq) in outs.items()}
