@@ -31,6 +31,7 @@ from flexattn.api import AuxRequest
 from flexattn.block_mask import BlockMask, and_masks, create_block_mask, noop_mask
 
 import _harness as harness
+from _generated_code import constexpr
 from conftest import DEVICE
 
 flexattn.lowering.register()
@@ -398,6 +399,64 @@ def test_position_tables_at_odd_and_unequal_lengths(L, S):
                           (2, 2, _cyclic_position_table(2))):
         run_case(dtype=torch.float32, Hq=hq, Hkv=hkv, L=L, S=S, make_mods=make, block_size=scaled(16, 128),
                  captured_ratio=32.0)
+
+
+
+def _one_sided_table(h: int, n: int, side: str):
+    """A learnable table read on one side of the pair: ``key`` bias[h, kv_idx], ``query``
+    bias[h, q_idx], ``coarse_key`` bias[h, kv_idx // 3] (several keys of a tile share an
+    entry)."""
+    def make(gen):
+        table = torch.randn(h, n, generator=gen).to(DEVICE)
+
+        def mods_of(bufs):
+            def score_mod(score, b, hi, q_idx, kv_idx):
+                at = {"key": kv_idx, "query": q_idx, "coarse_key": kv_idx // 3}[side]
+                return score + bufs[0][hi, at]
+
+            return score_mod, mods.causal_mask
+
+        return mods_of, [table]
+
+    return make
+
+
+@pytest.mark.parametrize("L,S", [(scaled(37, 301), scaled(75, 700)), (scaled(75, 700), scaled(37, 301))], ids=str)
+@pytest.mark.parametrize("side", ["key", "query", "coarse_key"])
+def test_tables_read_on_one_side_summed_over_the_other(side, L, S):
+    # Odd and unequal lengths: the last tiles' keys or queries past the ends must add nothing.
+    run_case(dtype=torch.float32, Hq=4, Hkv=2, L=L, S=S, make_mods=_one_sided_table(4, max(L, S), side),
+             block_size=scaled(16, 128))
+
+
+@pytest.mark.triton_kernels
+@pytest.mark.parametrize("case,counts", [
+    ("per_head", (1, 0, 0, False)),
+    ("key", (0, 1, 0, False)),
+    ("coarse_key", (0, 1, 0, False)),
+    ("query", (0, 0, 1, False)),
+    ("relative", (0, 0, 0, True)),
+], ids=str)
+def test_which_captured_gradients_are_summed_in_the_kernel(case, counts):
+    n = 32
+    make = {"per_head": _alibi_learnable(2), "relative": _relative_bias_learnable(n, 2)}.get(case) \
+        or _one_sided_table(2, n, case)
+    mods_of, bufs = make(harness.generator(0))
+    bufs = [b.requires_grad_() for b in bufs]
+    score_mod, mask_mod = mods_of(bufs)
+    q, k, v = (harness.randn(harness.generator(1), 1, 2, n, 16, dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    bm = create_block_mask(mask_mod or noop_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
+
+    def step(q, k, v):
+        out = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
+                            backend="inductor", fullgraph=True)(q, k, v)
+        return torch.autograd.grad(out.float().square().sum(), (q, k, v, *bufs))
+
+    _, code = run_and_get_code(step, q, k, v)
+    (backward,) = [c for c in code if BACKWARD_MARK in c]
+    names = ("NUM_REDUCED_GRAD_TERMS", "NUM_KEY_GRAD_TERMS", "NUM_QUERY_GRAD_TERMS", "HAS_BUFFER_GRADS")
+    assert tuple(constexpr(backward, name) for name in names) == tuple(str(c) for c in counts)
 
 
 # --------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ Step by step:
    no extra input.
 2. The score_mod forward graph, the mask_mod graph and the grad-score output of the
    joint graph become the template's subgraphs 0, 1 and 2 (``subgraph.build_mod_buffer``);
-   the captured tensors' gradients subgraph 3 and the reduced pairs after it
+   the captured tensors' gradients subgraph 3 and the summed pairs after it
    (``buffer_grads.py``).
 3. One template choice per usable tile configuration (``configs/backward.py``).
 
@@ -54,7 +54,7 @@ REPORTED_SPECIALISATIONS = ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD
                             "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N", "DQ_ATOMIC", "USE_TMA",
                             "USE_TMA_DKDV", "USE_TMA_DQ", "DENSE_KV")
 
-#: The first template subgraph of the reduced buffer-gradient pairs (0-2: score, mask,
+#: The first template subgraph of the summed buffer-gradient pairs (0-2: score, mask,
 #: grad score; 3: the scatters, present even when empty).
 REDUCED_GRAD_SUBGRAPH = 4
 
@@ -147,7 +147,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
                                          fast_tanh=call.fast_tanh, out_dtype=stats_dtype(dtype))
     grad_plan = plan_buffer_grads(joint_gm, call.score_mod_buffers, wants, dtype, device, call.fast_tanh)
     subgraphs: list[Any] = [call.score_buffer, call.mask_buffer, grad_score_buffer, grad_plan.scatters,
-                            *grad_plan.reduced]
+                            *grad_plan.summed]
 
     plan = plan_backward(backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, any(wants),
                                          mask_mod_buffers))
@@ -172,6 +172,8 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         DQ_ATOMIC=dq_atomic,
         HAS_BUFFER_GRADS=bool(grad_plan.scatters),
         NUM_REDUCED_GRAD_TERMS=len(grad_plan.reduced) // 2,
+        NUM_KEY_GRAD_TERMS=len(grad_plan.per_key) // 2,
+        NUM_QUERY_GRAD_TERMS=len(grad_plan.per_query) // 2,
         REDUCED_GRAD_SUBGRAPH=REDUCED_GRAD_SUBGRAPH,
         IS_DIVISIBLE_M=common.divisible(L, call.sparse_q),
         IS_DIVISIBLE_N=common.divisible(S, call.sparse_kv),
@@ -204,7 +206,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
               "workspace": grad_plan.workspace, "seed": common.seed_for_kernel(dropout_seed, device)}
     input_nodes = list(inputs.values())
     scatter_grads = grad_plan.scatter_grads
-    mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.reduced else [])
+    mutated = [grad_query, grad_value, *scatter_grads] + ([grad_plan.workspace] if grad_plan.summed else [])
     choices, config_of_choice = common.template_choices(
         template, usable, what,
         lambda cfg: {**spec, **cfg.constexprs()},

@@ -5,8 +5,9 @@ gradient and one gradient per captured tensor. Each captured-tensor gradient is
 recognised as a sum of scatters (``index_put(zeros, indices, values, accumulate=True)``,
 or a 0-d buffer's elementwise gradient) and rebuilt as template subgraphs
 (``plan_buffer_grads``): per-element ``atomic_add`` scatters into zero-filled float32
-buffers, or, for terms whose entry depends on b and h only, a tile-summed value with one
-atomic per tile into a workspace. The result is cast to the buffer's dtype afterwards.
+buffers, or, for terms whose entry reads at most one of q_idx and kv_idx, the tile summed
+over the other (or over both) with one atomic per key, query or tile into a workspace. The
+result is cast to the buffer's dtype afterwards.
 """
 
 from __future__ import annotations
@@ -137,16 +138,28 @@ class BufferGradPlan:
       the sum with one atomic into ``workspace`` at the term's index subgraph: one
       atomic per tile instead of one per element, and a tree sum instead of a long
       chain of float32 additions into one address.
+    * ``per_key`` and ``per_query`` (pairs after the reduced ones, in that order): terms
+      whose entry reads kv_idx but not q_idx (a learnable bias per key), or q_idx but
+      not kv_idx. The kernel sums the tile over its queries (keys) and adds each key's
+      (query's) sum with one atomic, at the index subgraph evaluated on that key
+      (query): a tile's keys or queries in atomics instead of all its pairs.
     * ``scatter_grads``: the zero-filled float32 buffers the scatters add into.
     * ``grads[i]``: the float32 gradient of captured tensor i (None if it needs none),
-      a view into ``workspace`` for the reduced ones.
+      a view into ``workspace`` for the terms summed in the kernel.
     """
 
     scatters: list
     scatter_grads: list
     reduced: list
+    per_key: list
+    per_query: list
     workspace: Any
     grads: list
+
+    @property
+    def summed(self) -> list:
+        """The (value, workspace index) subgraphs of every term the kernel sums first."""
+        return [*self.reduced, *self.per_key, *self.per_query]
 
 
 def _linear_index_buffer(index_fns, sizes, base: int, device) -> ir.ComputedBuffer:
@@ -177,36 +190,42 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
     results = joint_outputs(joint_gm)[1:]
     captured = as_tensor_boxes(score_mod_buffers)
     placeholders = [n for n in joint_gm.graph.nodes if n.op == "placeholder"]
-    per_pair = {placeholders[3], placeholders[4]}  # q_idx, kv_idx (JOINT_ARGS order)
+    q_idx, kv_idx = placeholders[3], placeholders[4]  # JOINT_ARGS order
 
     terms_of: dict[int, list[ScatterTerm]] = {}
-    reducible: dict[int, bool] = {}
+    # How the kernel adds each buffer's gradient: "reduced", "per_key", "per_query" (into
+    # the workspace, so static sizes only) or "scatter" (see BufferGradPlan).
+    kind: dict[int, str] = {}
     for i, (buf, want, node) in enumerate(zip(score_mod_buffers, wants, results)):
         if want:
             sizes = list(buf.get_size())
             terms_of[i] = scatter_terms(node, len(sizes), f"captured tensor #{i} of score_mod")
-            reducible[i] = all(isinstance(s, (int, sympy.Integer)) for s in sizes) and not any(
-                depends_on(idx, per_pair) for t in terms_of[i] for idx in t.indices)
+            indices = [idx for t in terms_of[i] for idx in t.indices]
+            reads_q = any(depends_on(idx, {q_idx}) for idx in indices)
+            reads_kv = any(depends_on(idx, {kv_idx}) for idx in indices)
+            static = all(isinstance(s, (int, sympy.Integer)) for s in sizes)
+            kind[i] = ("scatter" if not static or (reads_q and reads_kv)
+                       else "per_query" if reads_q else "per_key" if reads_kv else "reduced")
 
     offsets, total = {}, 0
     for i in terms_of:
-        if reducible[i]:
+        if kind[i] != "scatter":
             offsets[i] = total
             total += int(sympy.prod([int(s) for s in score_mod_buffers[i].get_size()]))
-    # Without reduced terms the kernel never touches the workspace: an empty buffer spares
+    # Without summed terms the kernel never touches the workspace: an empty buffer spares
     # the call a fill kernel's launch.
     workspace = (realize_fixed(lowerings[aten.full.default]([total], 0.0, dtype=torch.float32, device=device))
                  if total else signature_filler(device))
 
     scatters: list[ir.ComputedBuffer] = []
-    reduced: list[ir.ComputedBuffer] = []
+    summed: dict[str, list[ir.ComputedBuffer]] = {"reduced": [], "per_key": [], "per_query": []}
     scatter_grads: list[Any] = []
     grads: list[Any] = [None] * len(score_mod_buffers)
     for i, terms in terms_of.items():
         what = f"captured tensor #{i} of score_mod"
-        sizes = [int(s) for s in score_mod_buffers[i].get_size()] if reducible[i] \
+        sizes = [int(s) for s in score_mod_buffers[i].get_size()] if kind[i] != "scatter" \
             else list(score_mod_buffers[i].get_size())
-        if reducible[i]:
+        if kind[i] != "scatter":
             numel = int(sympy.prod(sizes))
             view = lowerings[aten.slice.Tensor](ir.TensorBox(workspace), 0, offsets[i], offsets[i] + numel)
             grads[i] = lowerings[aten.view.default](view, sizes)
@@ -214,7 +233,7 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
                 value = build_mod_buffer(graph_returning(joint_gm, term.value), JOINT_ARGS, dtype, device,
                                          captured, what, fast_tanh=fast_tanh)
                 index_fns = [scalar_loader(joint_gm, idx, dtype, device, captured, what) for idx in term.indices]
-                reduced += [value, _linear_index_buffer(index_fns, sizes, offsets[i], device)]
+                summed[kind[i]] += [value, _linear_index_buffer(index_fns, sizes, offsets[i], device)]
             continue
         grad = realize_fixed(lowerings[aten.full.default](sizes, 0.0, dtype=torch.float32, device=device))
         grads[i] = grad
@@ -233,7 +252,8 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
                                  output_indexer=output_indexer, scatter_mode="atomic_add")
             scatters.append(ir.ComputedBuffer(name=grad.get_name(), layout=ir.MutationLayoutSHOULDREMOVE(grad),
                                               data=scatter))
-    return BufferGradPlan(scatters=scatters, scatter_grads=scatter_grads, reduced=reduced, workspace=workspace, grads=grads)
+    return BufferGradPlan(scatters=scatters, scatter_grads=scatter_grads, reduced=summed["reduced"],
+                          per_key=summed["per_key"], per_query=summed["per_query"], workspace=workspace, grads=grads)
 
 
 def finish_buffer_grad(grad, buf):
