@@ -10,8 +10,8 @@ backward with the gradients of q, k, v and the bias table:
 
 Biases (causal mask, float32 tables as a model keeps its parameters, indexed with plain
 subscripts): ``rel`` a relative-position table (H, 2S-1) read at the clamped ``kv_idx -
-q_idx``, ``slope`` a learnable ALiBi slope per head, ``pair`` a full (H, S, S) bias (pair
-bias of structure models). Prints median ms and ``torch_over_flexattn`` (torch's time over
+q_idx``, ``slope`` a learnable ALiBi slope per head, ``key`` a bias per key (H, S) read at
+``kv_idx``, ``pair`` a full (H, S, S) bias (pair bias of structure models). Prints median ms and ``torch_over_flexattn`` (torch's time over
 flexattn's: above 1 is flexattn faster), and writes ``learnable-bias-<gpu>-<stamp>.json``.
 
     python bench/bench_learnable_bias.py              # the suite, 5 rounds
@@ -33,9 +33,10 @@ from flexattn import mods
 
 def suite(dry_run: bool) -> list[Case]:
     if dry_run:
-        return [Case(f"{bias}_tiny", "fwdbwd", 1, 2, 2, 64, 64, 16) for bias in ("rel", "slope", "pair")]
+        return [Case(f"{bias}_tiny", "fwdbwd", 1, 2, 2, 64, 64, 16) for bias in ("rel", "slope", "key", "pair")]
     return [Case("rel_s8192_d128", "fwdbwd", 4, 16, 16, 8192, 8192, 128),
             Case("slope_s8192_d128", "fwdbwd", 4, 16, 16, 8192, 8192, 128),
+            Case("key_s8192_d128", "fwdbwd", 4, 16, 16, 8192, 8192, 128),
             Case("rel_s4096_d64", "fwdbwd", 4, 16, 16, 4096, 4096, 64),
             Case("pair_s4096_d128", "fwdbwd", 2, 16, 16, 4096, 4096, 128),
             Case("pair_s2048_d64", "fwdbwd", 4, 16, 16, 2048, 2048, 64)]
@@ -46,9 +47,10 @@ def _bias(case: Case, device: torch.device, train: bool) -> tuple[torch.Tensor, 
     as users write it (plain subscripts), the same function for both libraries."""
     kind = case.name.split("_")[0]
     generator = torch.Generator(device=device).manual_seed(0)
-    shapes = {"rel": (case.H, 2 * case.S - 1), "slope": (case.H,), "pair": (case.H, case.L, case.S)}
+    shapes = {"rel": (case.H, 2 * case.S - 1), "slope": (case.H,), "key": (case.H, case.S),
+              "pair": (case.H, case.L, case.S)}
     if kind not in shapes:
-        raise ValueError(f"case name must start with rel, slope or pair, got {case.name!r}")
+        raise ValueError(f"case name must start with rel, slope, key or pair, got {case.name!r}")
     table = (0.1 * torch.randn(shapes[kind], device=device, generator=generator)).requires_grad_(train)
     last = case.S - 1
 
@@ -58,10 +60,13 @@ def _bias(case: Case, device: torch.device, train: bool) -> tuple[torch.Tensor, 
     def slope(score, b, h, q_idx, kv_idx):
         return score + table[h] * (kv_idx - q_idx)
 
+    def key(score, b, h, q_idx, kv_idx):
+        return score + table[h, kv_idx]
+
     def pair(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx, kv_idx]
 
-    return table, {"rel": rel, "slope": slope, "pair": pair}[kind]
+    return table, {"rel": rel, "slope": slope, "key": key, "pair": pair}[kind]
 
 
 def make_call(impl: str, case: Case, device: torch.device, dtype: torch.dtype) -> Callable:

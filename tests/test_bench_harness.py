@@ -271,7 +271,7 @@ def test_learnable_bias_benchmark_dry_run(tmp_path, monkeypatch):
     learnable = load_bench("bench_learnable_bias")
     report = learnable.main(learnable.LEARNABLE_BIAS, ["--dry-run", "--rounds", "1", "--out", str(tmp_path)])
     assert json.loads(next(tmp_path.glob("learnable-bias-cpu-*.json")).read_text())["rows"]
-    assert [row["name"].split("_")[0] for row in report["rows"]] == ["rel", "slope", "pair"]
+    assert [row["name"].split("_")[0] for row in report["rows"]] == ["rel", "slope", "key", "pair"]
     for row in report["rows"]:
         assert row["median_ms"]["flexattn"] > 0 and row["grad_over_frozen"] > 0, row
         assert "torch_flex" in row["median_ms"] or "torch_flex" in row["errors"]
