@@ -60,7 +60,6 @@ _REWRITES = {
 
 def backward_text(rewrites: str) -> str:
     """The Triton backward template's text with the named rewrites (each must match once)."""
-    from flexattn.templates import kernel_source
     text = kernel_source("backward")
     for name in rewrites.split("+"):
         for old, new in _REWRITES[name]:
