@@ -459,6 +459,22 @@ def test_which_captured_gradients_are_summed_in_the_kernel(case, counts):
     assert tuple(constexpr(backward, name) for name in names) == tuple(str(c) for c in counts)
 
 
+@pytest.mark.triton_kernels
+@pytest.mark.parametrize("case,masked", [
+    ("none", False), ("alibi", False), ("relative", False), ("softcap", True), ("doubled", False), ("squared", True),
+], ids=str)
+def test_score_gradients_masked_again_only_where_a_mod_could_make_them_nonzero(case, masked):
+    # dS is 0 wherever P is; a derivative other than a constant may be infinite there.
+    n = 32
+    score_mod = {"none": None, "alibi": mods.alibi(2),
+                 "relative": mods.relative_bias(torch.randn(2, 2 * n - 1, device=DEVICE)),
+                 "softcap": mods.tanh_softcap(20.0),
+                 "doubled": lambda score, b, h, q_idx, kv_idx: score * 2,
+                 "squared": lambda score, b, h, q_idx, kv_idx: score * score}[case]
+    flags = _backward_constexprs(16, {}, ("MASK_SCORE_GRADS",), score_mod)
+    assert flags["MASK_SCORE_GRADS"] == str(masked)
+
+
 # --------------------------------------------------------------------------------------
 # Block masks and kernel options
 # --------------------------------------------------------------------------------------
@@ -606,15 +622,17 @@ def test_compiled_backward_uses_our_template():
     assert any(BACKWARD_MARK in c for c in code), "the flexattn backward template is not in the compiled code"
 
 
-def _backward_constexprs(E: int, options: dict, names: tuple[str, ...]) -> dict[str, str]:
-    """The values the compiled backward kernel gives to the constexprs ``names``."""
+def _backward_constexprs(E: int, options: dict, names: tuple[str, ...], score_mod=None) -> dict[str, str]:
+    """The values the compiled backward kernel gives to the constexprs ``names`` (causal,
+    n = 32, with ``score_mod``)."""
     n = 32
     gen = torch.Generator().manual_seed(0)
     q, k, v = (harness.randn(gen, 1, 2, n, E, dtype=torch.float16, requires_grad=True) for _ in range(3))
     bm = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
 
     def step(q, k, v):
-        out = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options=options),
+        out = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                                                    kernel_options=options),
                             backend="inductor", fullgraph=True)(q, k, v)
         return torch.autograd.grad(out.float().square().sum(), (q, k, v))
 

@@ -11,11 +11,10 @@ torch's do_bench milliseconds (launch included; with --rounds N, N rounds taken 
 each one's list), and the largest difference of each variant's output (fwdbwd: and of its
 query gradient) from torch's.
 
-A variant's options may name a rewrite of the Triton backward template's text,
-``"_backward_text": "ds_once" | "dv_first" | "ds_once+dv_first"`` (Inductor's caches off then):
-``ds_once`` leaves dS unmasked after the joint graph (P is 0 where the mask is, so dS is, for
-score_mods whose gradient passes dS through: none, ALiBi; not a general rewrite);
-``dv_first`` issues dV's product before dP's, as torch's template does.
+A variant's options may carry another Triton backward template's text,
+``"_backward_text": "PATH"`` (an edited copy of `flexattn/templates/backward.py.jinja`,
+assembled with the tree's common helpers; Inductor's caches off then), timed beside the
+tree's own.
 """
 import argparse
 import json
@@ -29,7 +28,7 @@ from torch.nn.attention import flex_attention as tf  # noqa: E402
 import _tuning  # noqa: E402
 import bench_user_masks as um  # noqa: E402
 import flexattn  # noqa: E402
-from flexattn.templates import kernel_source  # noqa: E402
+from flexattn.templates import kernel_source, read_template  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("names")
@@ -43,30 +42,6 @@ args = parser.parse_args()
 D, variants = args.D, json.loads(args.variants)
 shape = um.Shape(4, 16, 8192)
 dev = torch.device("cuda")
-
-_DPT = "        dpT = tl.dot(v, tl.trans(do), input_precision=FLOAT32_PRECISION)\n"
-_DV = ("            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=FLOAT32_PRECISION, "
-       "out_dtype=dv.dtype)\n")
-_REWRITES = {
-    "ds_once": [("grad_scoresT = tl.where(valid, grad_scoresT, 0.0).to(q.dtype)", "grad_scoresT = grad_scoresT.to(q.dtype)"),
-                ("        grad_scores = tl.where(valid, grad_scores, 0.0)\n", "")],
-    "dv_first": [(_DPT, ""),
-                 ("dpT = tl.where(keptT, times(dpT, DROPOUT_SCALE), 0.0)",
-                  "dpT = tl.where(keptT, times(tl.dot(v, tl.trans(do), input_precision=FLOAT32_PRECISION), "
-                  "DROPOUT_SCALE), 0.0)"),
-                 (_DV, _DV + "    " + _DPT)],
-}
-
-
-def backward_text(rewrites: str) -> str:
-    """The Triton backward template's text with the named rewrites (each must match once)."""
-    text = kernel_source("backward")
-    for name in rewrites.split("+"):
-        for old, new in _REWRITES[name]:
-            assert text.count(old) == 1, f"rewrite {name}: {old!r} found {text.count(old)} times"
-            text = text.replace(old, new)
-    return text
-
 
 if any("_backward_text" in opts for opts in variants.values()):
     torch._inductor.config.force_disable_caches = True
@@ -108,7 +83,8 @@ for name in args.names.split(","):
     for i, (vname, opts) in enumerate(variants.items()):
         opts = dict(opts)
         text = opts.pop("_backward_text", None)
-        _tuning.install_triton_backward_template(text or "base", backward_text(text) if text else kernel_source("backward"))
+        _tuning.install_triton_backward_template(text or "base", "\n".join((open(text).read(), read_template("common"))) if text
+                                               else kernel_source("backward"))
         # A code object per variant: later rounds call each again, its graph and kernels kept.
         f = _tuning.compiled_own_code(f"variant_{i}", "q, k, v", "return flex_attention(q, k, v, score_mod=score_mod, "
                                       "block_mask=block_mask, kernel_options=opts)",

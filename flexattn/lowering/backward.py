@@ -36,7 +36,8 @@ from .._hop import buffers_with_grad
 from ..numerics import stats_dtype
 from ..templates import kernel_source
 from . import common
-from .buffer_grads import JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, plan_buffer_grads
+from .buffer_grads import (JOINT_ARGS, finish_buffer_grad, graph_returning, joint_outputs, plan_buffer_grads,
+                           score_grad_is_upstream)
 from .backward_plan import BackwardInputs, plan_backward
 from .forward_plan import call_work, device_fields
 from .configs import backward as backward_configs
@@ -51,7 +52,7 @@ TEMPLATE_NAME = "flexattn_backward"
 
 #: The specialisations that report_choice shows for the backward.
 REPORTED_SPECIALISATIONS = ("GQA_GROUP_SIZE", "QK_HEAD_DIM_PAD", "V_HEAD_DIM_PAD", "HAS_FULL_BLOCKS", "HAS_SCORE_MOD",
-                            "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N", "DQ_ATOMIC", "USE_TMA",
+                            "MASK_SCORE_GRADS", "HAS_BUFFER_GRADS", "IS_DIVISIBLE_M", "IS_DIVISIBLE_N", "DQ_ATOMIC", "USE_TMA",
                             "USE_TMA_DKDV", "USE_TMA_DQ", "DENSE_KV")
 
 #: The first template subgraph of the summed buffer-gradient pairs (0-2: score, mask,
@@ -175,6 +176,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         NUM_KEY_GRAD_TERMS=len(grad_plan.per_key) // 2,
         NUM_QUERY_GRAD_TERMS=len(grad_plan.per_query) // 2,
         REDUCED_GRAD_SUBGRAPH=REDUCED_GRAD_SUBGRAPH,
+        MASK_SCORE_GRADS=not score_grad_is_upstream(joint_gm),
         IS_DIVISIBLE_M=common.divisible(L, call.sparse_q),
         IS_DIVISIBLE_N=common.divisible(S, call.sparse_kv),
         **common.dropout_specialisations(kernel_options),

@@ -12,6 +12,7 @@ result is cast to the buffer's dtype afterwards.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,32 @@ def joint_outputs(joint_gm: torch.fx.GraphModule) -> list:
     output = next(n for n in joint_gm.graph.nodes if n.op == "output")
     results = output.args[0]
     return list(results) if isinstance(results, (tuple, list)) else [results]
+
+
+def score_grad_is_upstream(joint_gm: torch.fx.GraphModule) -> bool:
+    """True when the joint graph's score gradient is its ``grad_score_out`` argument, cast
+    or times finite constants (no score_mod, additive biases, a fixed scale): the gradient
+    is then 0 wherever dS is."""
+    placeholders = [n for n in joint_gm.graph.nodes if n.op == "placeholder"]
+    upstream = placeholders[[name for name, _ in JOINT_ARGS].index("grad_score_out")]
+    node = joint_outputs(joint_gm)[0]
+    while node is not upstream:
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            return False
+        if node.target in _CASTS:
+            node = node.args[0]
+        elif node.target in (aten.mul.Tensor, aten.div.Tensor) and len(node.args) == 2 \
+                and isinstance(node.args[1], (int, float)) and math.isfinite(node.args[1]) and node.args[1] != 0:
+            node = node.args[0]
+        elif node.target is aten.mul.Tensor and isinstance(node.args[0], (int, float)) \
+                and math.isfinite(node.args[0]):
+            node = node.args[1]
+        else:
+            return False
+    return True
+
+
+_CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default, aten.clone.default}
 
 
 _ZERO_FILLS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
