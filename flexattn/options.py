@@ -151,6 +151,12 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "Triton template), TRITON, GLUON (the Hopper backward; an error "
                  "where it does not cover the call)",
                  choices=("AUTO", "TRITON", "GLUON")),
+    KernelOption("BWD_LATE_DP", "tristate", PER_CALL, _BWD,
+                 "Gluon backward: issue the dP product after the tile's scores are masked and exponentiated "
+                 "instead of beside the scores' product (fewer registers while score_mod and mask_mod run, less "
+                 "overlap)",
+                 default_doc="on at head dim 128 with a score_mod "
+                             "([decisions](../bench/DECISIONS.md#gluon-backward-late-dp))"),
     KernelOption("NUM_PROGRAMS", "int", PER_CALL, ("forward",),
                  "Gluon forward: programs launched, each walking every n-th unit of the call (one query "
                  "tile, or tiles i and n-1-i where the tiles outnumber the programs; units of a head, then "

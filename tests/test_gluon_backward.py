@@ -17,6 +17,7 @@ import torch
 import flexattn
 from flexattn import mods
 from flexattn.lowering.backward_plan import BackwardInputs, BackwardPlan, plan_backward
+from flexattn.lowering.configs import gluon_backward as gluon_configs
 from flexattn.templates import gluon_kernel_source
 
 import _harness as harness
@@ -87,6 +88,12 @@ def test_calls_the_gluon_backward_does_not_cover(change, reason):
     assert auto.kernel == "triton" and reason[:20] in auto.reason
 
 
+@pytest.mark.parametrize("head_dim,has_score_mod,late", [(128, True, True), (128, False, False), (64, True, False),
+                                                         (64, False, False)])
+def test_dp_is_issued_late_at_head_dim_128_under_a_score_mod(head_dim, has_score_mod, late):
+    assert gluon_configs.late_dp_default(head_dim, has_score_mod) is late
+
+
 def test_bwd_backend_is_a_known_option():
     flexattn.options.validate({"BWD_BACKEND": "GLUON"})
     with pytest.raises(ValueError):
@@ -131,6 +138,8 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
     sources = [s for s in rendered_gluon_sources(monkeypatch, tmp_path, run, kernel="backward")
                if "def consume_keys(" in open(s).read()]
     assert sources, "no Gluon backward kernel was rendered"
+    late_dp = c.get("score") is not None and E == 128
+    assert all(f"LATE_DP : tl.constexpr = {late_dp}" in open(s).read() for s in sources)
     for report in compile_offline_for_sm90(sources):
         assert report["setmaxnreg"], "the partitions' register budgets were not applied"
         assert report["num_warps"] == 12  # two consumer warpgroups and the producer's
@@ -227,6 +236,11 @@ GPU_CASES = {
     "gqa_causal_d128": dict(E=128, Hq=8, Hkv=2, L=640, S=640, mods=(None, mods.causal_mask)),
     "empty_rows_d128": dict(E=128, L=384, S=384, mods=(None, lambda b, h, qi, ki: (qi >= 130) & (ki <= qi))),
     "cross_q_shorter_d128": dict(E=128, L=100, S=777, mods=(None, None)),
+    # dP^T issued beside S^T under a score_mod, and late without one (the defaults' opposites).
+    "softcap_early_dp_d128": dict(E=128, L=384, S=384, mods=(mods.tanh_softcap(30.0), None),
+                                  options={"BWD_LATE_DP": False}),
+    "sliding_window_late_dp_odd_d128": dict(E=128, L=700, S=650, mods=(None, mods.sliding_window(200)),
+                                            options={"BWD_LATE_DP": True}),
 }
 
 
@@ -242,4 +256,4 @@ def test_gluon_backward_against_the_golden_reference(case, dtype):
     else:
         make_mods = _no_buffers(*c.get("mods", (None, None)))
     run_case(dtype=dtype, Hq=c.get("Hq", 2), Hkv=c.get("Hkv"), L=c["L"], S=c["S"], E=c["E"], make_mods=make_mods,
-             default_mask=c.get("default_mask", False), options={"BWD_BACKEND": "GLUON"})
+             default_mask=c.get("default_mask", False), options={"BWD_BACKEND": "GLUON", **c.get("options", {})})

@@ -11,10 +11,10 @@ torch's do_bench milliseconds (launch included; with --rounds N, N rounds taken 
 each one's list), and the largest difference of each variant's output (fwdbwd: and of its
 query gradient) from torch's.
 
-A variant's options may carry another Triton backward template's text,
-``"_backward_text": "PATH"`` (an edited copy of `flexattn/templates/backward.py.jinja`,
-assembled with the tree's common helpers; Inductor's caches off then), timed beside the
-tree's own.
+A variant's options may carry another backward template's text, ``"_backward_text": "PATH"``
+(an edited copy of `flexattn/templates/backward.py.jinja`) or ``"_gluon_backward_text":
+"PATH"`` (of `gluon_backward.py.jinja`), assembled with the tree's helpers (Inductor's
+caches off then), timed beside the tree's own.
 """
 import argparse
 import json
@@ -28,7 +28,7 @@ from torch.nn.attention import flex_attention as tf  # noqa: E402
 import _tuning  # noqa: E402
 import bench_user_masks as um  # noqa: E402
 import flexattn  # noqa: E402
-from flexattn.templates import kernel_source, read_template  # noqa: E402
+from flexattn.templates import gluon_kernel_source, kernel_source, read_template  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("names")
@@ -43,7 +43,7 @@ D, variants = args.D, json.loads(args.variants)
 shape = um.Shape(4, 16, 8192)
 dev = torch.device("cuda")
 
-if any("_backward_text" in opts for opts in variants.values()):
+if any(key in opts for opts in variants.values() for key in ("_backward_text", "_gluon_backward_text")):
     torch._inductor.config.force_disable_caches = True
 
 
@@ -85,6 +85,10 @@ for name in args.names.split(","):
         text = opts.pop("_backward_text", None)
         _tuning.install_triton_backward_template(text or "base", "\n".join((open(text).read(), read_template("common"))) if text
                                                else kernel_source("backward"))
+        gluon_text = opts.pop("_gluon_backward_text", None)
+        _tuning.install_gluon_template("backward", gluon_text or "base", "\n".join(
+            (open(gluon_text).read(), read_template("gluon_helpers"), read_template("common"))) if gluon_text
+            else gluon_kernel_source("gluon_backward"))
         # A code object per variant: later rounds call each again, its graph and kernels kept.
         f = _tuning.compiled_own_code(f"variant_{i}", "q, k, v", "return flex_attention(q, k, v, score_mod=score_mod, "
                                       "block_mask=block_mask, kernel_options=opts)",

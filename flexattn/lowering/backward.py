@@ -18,6 +18,7 @@ place (dQ through float32 atomics and a scaling afterwards with DQ_ATOMIC).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -193,7 +194,10 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         from .gluon_backward import gluon_backward_template
         spec["USE_TMA"] = True
         template, template_name, what = gluon_backward_template, GLUON_TEMPLATE_NAME, "Gluon backward"
-        usable = [gluon_backward_configs.SM90[spec["QK_HEAD_DIM"]]]
+        late_dp = _options.read(kernel_options, "BWD_LATE_DP")
+        if late_dp is None:
+            late_dp = gluon_backward_configs.late_dp_default(spec["QK_HEAD_DIM"], call.has_score_mod)
+        usable = [dataclasses.replace(gluon_backward_configs.SM90[spec["QK_HEAD_DIM"]], late_dp=bool(late_dp))]
     else:
         template, template_name, what = backward_template, TEMPLATE_NAME, "backward"
         usable = triton_backward_configs(device, spec, dtype, kernel_options, call, fw_graph, dq_atomic)

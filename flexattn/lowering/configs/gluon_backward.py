@@ -28,13 +28,17 @@ class GluonBackwardConfig(TileConfig):
     load_regs: int = 24
     mma_regs: int = 240
     num_warps: int = 4
+    #: Issue dP^T = V dO^T once the tile's scores are masked and exponentiated instead of
+    #: beside S^T: its accumulator then does not hold registers while score_mod and mask_mod
+    #: run (``late_dp_default``).
+    late_dp: bool = False
 
     OPTION_NAMES: ClassVar[dict[str, str]] = {}
     OPTION_PREFIX: ClassVar[str] = "bwd_"
 
     def constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_STAGES": self.num_stages,
-                "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs}
+                "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs, "LATE_DP": self.late_dp}
 
 
 #: By head dim (sm90, 16-bit inputs).
@@ -54,3 +58,15 @@ AUTO_MIN_LENGTH: dict[int, int] = {64: 8192, 128: 4096}
 #: descriptors it builds on the device, and two more kernels for the float32 dQ)
 #: (bench/DECISIONS.md#gluon-backward-small-calls).
 AUTO_MIN_WORK = 2 ** 36
+
+
+#: Head dims at which a call with a score_mod issues dP^T late (``late_dp``): at D=128 the
+#: consumers spill where a score_mod's registers meet both accumulators in flight; at D=64,
+#: and without a score_mod, the lost overlap measured slower
+#: (bench/DECISIONS.md#gluon-backward-late-dp).
+LATE_DP_HEAD_DIMS: frozenset[int] = frozenset({128})
+
+
+def late_dp_default(head_dim: int, has_score_mod: bool) -> bool:
+    """``late_dp`` when kernel_options BWD_LATE_DP leave it unset."""
+    return has_score_mod and head_dim in LATE_DP_HEAD_DIMS
