@@ -466,7 +466,7 @@ def test_which_captured_gradients_are_summed_in_the_kernel(case, counts):
 def test_score_gradients_masked_again_only_where_a_mod_could_make_them_nonzero(case, masked):
     # dS is 0 wherever P is; a derivative other than a constant may be infinite there.
     n = 32
-    score_mod = {"none": None, "alibi": mods.alibi(2),
+    score_mod = {"none": None, "alibi": mods.alibi(2, device=DEVICE),
                  "relative": mods.relative_bias(torch.randn(2, 2 * n - 1, device=DEVICE)),
                  "softcap": mods.tanh_softcap(20.0),
                  "doubled": lambda score, b, h, q_idx, kv_idx: score * 2,
