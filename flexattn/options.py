@@ -155,7 +155,7 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "Gluon backward: issue the dP product after the tile's scores are masked and exponentiated "
                  "instead of beside the scores' product (fewer registers while score_mod and mask_mod run, less "
                  "overlap)",
-                 default_doc="on at head dim 128 with a score_mod "
+                 default_doc="on at head dim 128 when score_mod reads q_idx or kv_idx "
                              "([decisions](../bench/DECISIONS.md#gluon-backward-late-dp))"),
     KernelOption("NUM_PROGRAMS", "int", PER_CALL, ("forward",),
                  "Gluon forward: programs launched, each walking every n-th unit of the call (one query "

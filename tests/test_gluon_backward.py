@@ -16,8 +16,10 @@ import torch
 
 import flexattn
 from flexattn import mods
+from flexattn._hop import build_score_mod_graphs
 from flexattn.lowering.backward_plan import BackwardInputs, BackwardPlan, plan_backward
 from flexattn.lowering.configs import gluon_backward as gluon_configs
+from flexattn.lowering.subgraph import reads_positions
 from flexattn.templates import gluon_kernel_source
 
 import _harness as harness
@@ -88,10 +90,19 @@ def test_calls_the_gluon_backward_does_not_cover(change, reason):
     assert auto.kernel == "triton" and reason[:20] in auto.reason
 
 
-@pytest.mark.parametrize("head_dim,has_score_mod,late", [(128, True, True), (128, False, False), (64, True, False),
-                                                         (64, False, False)])
-def test_dp_is_issued_late_at_head_dim_128_under_a_score_mod(head_dim, has_score_mod, late):
-    assert gluon_configs.late_dp_default(head_dim, has_score_mod) is late
+@pytest.mark.parametrize("head_dim,reads_positions,late", [(128, True, True), (128, False, False), (64, True, False),
+                                                           (64, False, False)])
+def test_dp_is_issued_late_at_head_dim_128_under_a_positional_score_mod(head_dim, reads_positions, late):
+    assert gluon_configs.late_dp_default(head_dim, reads_positions) is late
+
+
+@pytest.mark.parametrize("score_mod,reads", [
+    (mods.alibi(4), True), (mods.tanh_softcap(30.0), False), (lambda s, b, h, q, kv: s * 2, False),
+    (lambda s, b, h, q, kv: s + (kv < 3), True), (lambda s, b, h, q, kv: s + 0 * q, True)],
+    ids=["alibi", "softcap", "doubled", "first_keys", "zero_times_q"])
+def test_which_score_mods_read_the_positions(score_mod, reads):
+    fw_graph, _ = build_score_mod_graphs(score_mod, torch.zeros(1, 4, 8, 16), [])
+    assert reads_positions(fw_graph) is reads
 
 
 def test_bwd_backend_is_a_known_option():
@@ -236,9 +247,9 @@ GPU_CASES = {
     "gqa_causal_d128": dict(E=128, Hq=8, Hkv=2, L=640, S=640, mods=(None, mods.causal_mask)),
     "empty_rows_d128": dict(E=128, L=384, S=384, mods=(None, lambda b, h, qi, ki: (qi >= 130) & (ki <= qi))),
     "cross_q_shorter_d128": dict(E=128, L=100, S=777, mods=(None, None)),
-    # dP^T issued beside S^T under a score_mod, and late without one (the defaults' opposites).
-    "softcap_early_dp_d128": dict(E=128, L=384, S=384, mods=(mods.tanh_softcap(30.0), None),
-                                  options={"BWD_LATE_DP": False}),
+    # dP^T issued late under a soft-cap and without a score_mod (the defaults' opposites).
+    "softcap_late_dp_d128": dict(E=128, L=384, S=384, mods=(mods.tanh_softcap(30.0), None),
+                                 options={"BWD_LATE_DP": True}),
     "sliding_window_late_dp_odd_d128": dict(E=128, L=700, S=650, mods=(None, mods.sliding_window(200)),
                                             options={"BWD_LATE_DP": True}),
 }

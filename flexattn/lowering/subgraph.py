@@ -284,6 +284,16 @@ def is_identity_score_mod(graph_module: torch.fx.GraphModule) -> bool:
     return result is placeholders[0]
 
 
+def reads_positions(graph_module: torch.fx.GraphModule) -> bool:
+    """Whether a score_mod graph's result depends on q_idx or kv_idx (ALiBi, position tables;
+    not a soft-cap of the score alone)."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    names = [name for name, _ in SCORE_MOD_ARGS]
+    positions = {placeholders[names.index("q_idx")], placeholders[names.index("kv_idx")]}
+    output = next(n for n in graph_module.graph.nodes if n.op == "output")
+    return any(depends_on(node, positions) for node in output.all_input_nodes)
+
+
 def inline_scalar_items(*subgraphs) -> None:
     """Let mods read captured Python floats as 0-d tensors, in place.
 

@@ -29,8 +29,8 @@ class GluonBackwardConfig(TileConfig):
     mma_regs: int = 240
     num_warps: int = 4
     #: Issue dP^T = V dO^T once the tile's scores are masked and exponentiated instead of
-    #: beside S^T: its accumulator then does not hold registers while score_mod and mask_mod
-    #: run (``late_dp_default``).
+    #: beside S^T: its accumulator then holds no registers while score_mod and mask_mod run
+    #: (``late_dp_default``).
     late_dp: bool = False
 
     OPTION_NAMES: ClassVar[dict[str, str]] = {}
@@ -60,13 +60,13 @@ AUTO_MIN_LENGTH: dict[int, int] = {64: 8192, 128: 4096}
 AUTO_MIN_WORK = 2 ** 36
 
 
-#: Head dims at which a call with a score_mod issues dP^T late (``late_dp``): at D=128 the
-#: consumers spill where a score_mod's registers meet both accumulators in flight; at D=64,
-#: and without a score_mod, the lost overlap measured slower
-#: (bench/DECISIONS.md#gluon-backward-late-dp).
+#: Head dims at which a call whose score_mod reads q_idx or kv_idx issues dP^T late
+#: (``late_dp``): at D=128 the consumers spill where such a mod's index tiles meet both
+#: accumulators in flight; at D=64, without a score_mod and under a soft-cap of the score
+#: alone, the lost overlap measured slower (bench/DECISIONS.md#gluon-backward-late-dp).
 LATE_DP_HEAD_DIMS: frozenset[int] = frozenset({128})
 
 
-def late_dp_default(head_dim: int, has_score_mod: bool) -> bool:
+def late_dp_default(head_dim: int, score_mod_reads_positions: bool) -> bool:
     """``late_dp`` when kernel_options BWD_LATE_DP leave it unset."""
-    return has_score_mod and head_dim in LATE_DP_HEAD_DIMS
+    return score_mod_reads_positions and head_dim in LATE_DP_HEAD_DIMS
