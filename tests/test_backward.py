@@ -390,16 +390,90 @@ def _cyclic_position_table(h: int, period: int = 7):
 @pytest.mark.parametrize("L,S", [(scaled(64, 512), scaled(64, 512)), (scaled(37, 301), scaled(75, 700)),
                                  (scaled(75, 700), scaled(37, 301))], ids=str)
 def test_position_tables_at_odd_and_unequal_lengths(L, S):
-    # The last tiles' pairs lie partly past the ends: their scatters must be masked. An
-    # entry here sums up to 2 x 512 pairs one float32 atomic at a time (on the GPU: 17x the
-    # tree-summed reference's error seen at 512 x 512), so its bound is wider than the
-    # default; a misplaced pair is off by the entries' own size, orders beyond it.
+    # The last tiles' pairs, and whole diagonals of them, lie partly past the ends: they
+    # must add nothing. An entry of the cyclic table sums up to 2 x 512 pairs one float32
+    # atomic at a time (on the GPU: 17x the tree-summed reference's error seen at
+    # 512 x 512), so the bound is wider than the default; a misplaced pair or diagonal is
+    # off by the entries' own size, orders beyond it.
     n = max(L, S)
     for hq, hkv, make in ((4, 2, _relative_bias_learnable(n, 4, mods.causal_mask)), (2, 2, _bucketed_distance_table(2)),
                           (2, 2, _cyclic_position_table(2))):
         run_case(dtype=torch.float32, Hq=hq, Hkv=hkv, L=L, S=S, make_mods=make, block_size=scaled(16, 128),
                  captured_ratio=32.0)
 
+
+
+def _distance_table(h: int, n: int, form: str, width: int = 5):
+    """A learnable table read at a function of the distance between q_idx and kv_idx that
+    saturates inside the lengths: ``clamped`` kv_idx - q_idx clamped on both sides
+    (mods.relative_bias of a narrow table), ``reversed`` q_idx - kv_idx clamped on both
+    sides, ``upper`` kv_idx - q_idx clamped from above only, ``lower`` q_idx - kv_idx
+    clamped from below only, ``shared`` one row for every head (mods.relative_bias of a
+    narrow 1-d table)."""
+    def make(gen):
+        shape = {"shared": (2 * width + 1,), "clamped": (h, 2 * width + 1), "reversed": (h, 2 * width + 1)}.get(
+            form, (h, n + width))
+        table = torch.randn(*shape, generator=gen).to(DEVICE)
+
+        def mods_of(bufs):
+            if form in ("clamped", "shared"):
+                return mods.relative_bias(bufs[0]), mods.causal_mask
+
+            def score_mod(score, b, hi, q_idx, kv_idx):
+                at = {"reversed": (q_idx - kv_idx).clamp(-width, width) + width,
+                      "upper": (kv_idx - q_idx).clamp(max=width) + n - 1,
+                      "lower": (q_idx - kv_idx).clamp(min=-width) + width}[form]
+                return score + bufs[0][hi, at]
+
+            return score_mod, None
+
+        return mods_of, [table]
+
+    return make
+
+
+@pytest.mark.parametrize("L,S", [(scaled(37, 301), scaled(75, 700)), (scaled(75, 700), scaled(37, 301))], ids=str)
+@pytest.mark.parametrize("form", ["clamped", "reversed", "upper", "lower", "shared"])
+def test_distance_tables_summed_along_diagonals(form, L, S):
+    # GQA: the group's query heads reuse one program's scratch slot in turn.
+    run_case(dtype=torch.float32, Hq=4, Hkv=2, L=L, S=S, make_mods=_distance_table(4, max(L, S), form),
+             block_size=scaled(16, 128))
+
+
+@pytest.mark.parametrize("options", [{"bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32},
+                                     {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 16, "ONE_KV_LOOP": True}], ids=str)
+def test_distance_tables_with_unequal_tiles(options):
+    # BLOCK_M1 != BLOCK_N1: more diagonals start on one edge of the tile than on the other.
+    L, S = scaled(45, 301), scaled(83, 700)
+    for make in (_distance_table(2, max(L, S), "clamped"), _bucketed_distance_table(2)):
+        run_case(dtype=torch.float32, Hq=2, L=L, S=S, make_mods=make, options=options, block_size=scaled(32, 128))
+
+
+def _summed_kinds_together(h: int, n: int):
+    """Per-head slopes, a per-key bias and a relative table read twice (two diagonal terms)."""
+    def make(gen):
+        bufs = [torch.rand(h, generator=gen).to(DEVICE), torch.randn(h, n, generator=gen).to(DEVICE),
+                torch.randn(h, 2 * n - 1, generator=gen).to(DEVICE)]
+
+        def mods_of(b):
+            slopes, per_key, table = b
+
+            def score_mod(score, bi, hi, q_idx, kv_idx):
+                near = table[hi, (kv_idx - q_idx).clamp(-4, 4) + n - 1]
+                return score + slopes[hi] * (kv_idx - q_idx) + per_key[hi, kv_idx] + table[hi, kv_idx - q_idx + n - 1] \
+                    + near
+
+            return score_mod, mods.causal_mask
+
+        return mods_of, bufs
+
+    return make
+
+
+def test_summed_terms_share_the_workspace():
+    # The terms' entries and the scratch slots after them in one workspace must not overlap.
+    n = scaled(53, 400)
+    run_case(dtype=torch.float32, Hq=2, L=n, S=n, make_mods=_summed_kinds_together(2, n), block_size=scaled(16, 128))
 
 
 def _one_sided_table(h: int, n: int, side: str):
@@ -431,15 +505,21 @@ def test_tables_read_on_one_side_summed_over_the_other(side, L, S):
 
 @pytest.mark.triton_kernels
 @pytest.mark.parametrize("case,counts", [
-    ("per_head", (1, 0, 0, False)),
-    ("key", (0, 1, 0, False)),
-    ("coarse_key", (0, 1, 0, False)),
-    ("query", (0, 0, 1, False)),
-    ("relative", (0, 0, 0, True)),
+    ("per_head", (1, 0, 0, 0, False)),
+    ("key", (0, 1, 0, 0, False)),
+    ("coarse_key", (0, 1, 0, 0, False)),
+    ("query", (0, 0, 1, 0, False)),
+    ("relative", (0, 0, 0, 1, False)),
+    ("bucketed", (0, 0, 0, 1, False)),
+    ("reversed", (0, 0, 0, 1, False)),
+    ("cyclic", (0, 0, 0, 0, True)),
+    ("together", (1, 1, 0, 2, False)),
 ], ids=str)
 def test_which_captured_gradients_are_summed_in_the_kernel(case, counts):
     n = 32
-    make = {"per_head": _alibi_learnable(2), "relative": _relative_bias_learnable(n, 2)}.get(case) \
+    make = {"per_head": _alibi_learnable(2), "relative": _relative_bias_learnable(n, 2),
+            "bucketed": _bucketed_distance_table(2), "reversed": _distance_table(2, n, "reversed"),
+            "cyclic": _cyclic_position_table(2), "together": _summed_kinds_together(2, n)}.get(case) \
         or _one_sided_table(2, n, case)
     mods_of, bufs = make(harness.generator(0))
     bufs = [b.requires_grad_() for b in bufs]
@@ -455,7 +535,8 @@ def test_which_captured_gradients_are_summed_in_the_kernel(case, counts):
 
     _, code = run_and_get_code(step, q, k, v)
     (backward,) = [c for c in code if BACKWARD_MARK in c]
-    names = ("NUM_REDUCED_GRAD_TERMS", "NUM_KEY_GRAD_TERMS", "NUM_QUERY_GRAD_TERMS", "HAS_BUFFER_GRADS")
+    names = ("NUM_REDUCED_GRAD_TERMS", "NUM_KEY_GRAD_TERMS", "NUM_QUERY_GRAD_TERMS", "NUM_DIAGONAL_GRAD_TERMS",
+             "HAS_BUFFER_GRADS")
     assert tuple(constexpr(backward, name) for name in names) == tuple(str(c) for c in counts)
 
 

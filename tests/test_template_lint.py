@@ -70,18 +70,19 @@ def test_forward_and_backward_kernels_lint_clean():
     n = 64 if DEVICE == "cpu" else 256
     slopes = torch.rand(2, device=DEVICE, requires_grad=True)
     table = torch.randn(2 * n - 1, device=DEVICE, requires_grad=True)
+    cyclic = torch.randn(7, 7, device=DEVICE, requires_grad=True)
     block_mask = flexattn.create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=32)
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx) + table[q_idx - kv_idx + n - 1]
+        return score + slopes[h] * (kv_idx - q_idx) + table[q_idx - kv_idx + n - 1] + cyclic[q_idx % 7, kv_idx % 7]
 
     def step(q, k, v):
         out = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
         out.sum().backward()
 
     q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE, requires_grad=True) for _ in range(3))
-    # The forward template and the backward template (with reduced and per-element
-    # captured-tensor gradients).
+    # The forward template and the backward template (with reduced, diagonal and
+    # per-element captured-tensor gradients).
     _assert_clean(_template_kernels(step, q, k, v), expect_at_least=2)
 
 

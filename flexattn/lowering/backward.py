@@ -147,10 +147,6 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     grad_score_buffer = build_mod_buffer(graph_returning(joint_gm, joint_outputs(joint_gm)[0]), JOINT_ARGS, dtype,
                                          device, captured, "score_mod's gradient (joint graph)",
                                          fast_tanh=call.fast_tanh, out_dtype=stats_dtype(dtype))
-    grad_plan = plan_buffer_grads(joint_gm, call.score_mod_buffers, wants, dtype, device, call.fast_tanh)
-    subgraphs: list[Any] = [call.score_buffer, call.mask_buffer, grad_score_buffer, grad_plan.scatters,
-                            *grad_plan.summed]
-
     plan = plan_backward(backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, any(wants),
                                          mask_mod_buffers))
     log.info("flexattn: backward kernel %s (%s)", "Gluon" if plan.kernel == "gluon" else "Triton", plan.reason)
@@ -172,10 +168,6 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         reversed_q_tiles_default=backward_configs.REVERSED_Q_TILES, extra_tma_operands=tma_operands)
     spec.update(
         DQ_ATOMIC=dq_atomic,
-        HAS_BUFFER_GRADS=bool(grad_plan.scatters),
-        NUM_REDUCED_GRAD_TERMS=len(grad_plan.reduced) // 2,
-        NUM_KEY_GRAD_TERMS=len(grad_plan.per_key) // 2,
-        NUM_QUERY_GRAD_TERMS=len(grad_plan.per_query) // 2,
         REDUCED_GRAD_SUBGRAPH=REDUCED_GRAD_SUBGRAPH,
         MASK_SCORE_GRADS=not score_grad_is_upstream(joint_gm),
         IS_DIVISIBLE_M=common.divisible(L, call.sparse_q),
@@ -201,6 +193,20 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     else:
         template, template_name, what = backward_template, TEMPLATE_NAME, "backward"
         usable = triton_backward_configs(device, spec, dtype, kernel_options, call, fw_graph, dq_atomic)
+
+    # After the configs: the diagonal terms' scratch slots are sized by their widest BLOCK_M1.
+    grad_plan = plan_buffer_grads(joint_gm, call.score_mod_buffers, wants, dtype, device, call.fast_tanh,
+                                  None if gluon else diagonal_scratch_elements(B, Hkv, S, call.sparse_kv, usable))
+    subgraphs: list[Any] = [call.score_buffer, call.mask_buffer, grad_score_buffer, grad_plan.scatters,
+                            *grad_plan.summed]
+    spec.update(
+        HAS_BUFFER_GRADS=bool(grad_plan.scatters),
+        NUM_REDUCED_GRAD_TERMS=len(grad_plan.reduced) // 2,
+        NUM_KEY_GRAD_TERMS=len(grad_plan.per_key) // 2,
+        NUM_QUERY_GRAD_TERMS=len(grad_plan.per_query) // 2,
+        NUM_DIAGONAL_GRAD_TERMS=len(grad_plan.diagonal) // 2,
+        DIAGONAL_SCRATCH_OFFSET=grad_plan.scratch_offset,
+    )
 
     tables = call.tables
     # The order of backward.py.jinja's def_kernel.
@@ -242,6 +248,18 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     if dq_atomic:
         grad_query = to_dtype(lowerings[aten.mul.Tensor](grad_query, float(scale)), dtype)
     return grad_query, grad_key, grad_value, buffer_grads
+
+
+def diagonal_scratch_elements(batch, kv_heads, kv_len, sparse_kv: int, configs) -> int | None:
+    """Workspace elements for the dK/dV programs' scratch slots of diagonal sums (one
+    float32 BLOCK_N1 x BLOCK_M1 slot per program, at most SPARSE_KV_BLOCK_SIZE keys per
+    BLOCK_N1 of them; the widest BLOCK_M1 of the configs, any of which autotuning may
+    pick), None where a size is not static."""
+    sizes = [common.static_size(n) for n in (batch, kv_heads, kv_len)]
+    if None in sizes:
+        return None
+    b, h, s = sizes
+    return b * h * -(-s // sparse_kv) * sparse_kv * max(cfg.block_m1 for cfg in configs)
 
 
 def triton_backward_configs(device, spec, dtype, kernel_options, call, fw_graph, dq_atomic: bool) -> list:

@@ -5,8 +5,10 @@ gradient and one gradient per captured tensor. Each captured-tensor gradient is
 recognised as a sum of scatters (``index_put(zeros, indices, values, accumulate=True)``,
 or a 0-d buffer's elementwise gradient) and rebuilt as template subgraphs
 (``plan_buffer_grads``): per-element ``atomic_add`` scatters into zero-filled float32
-buffers, or, for terms whose entry reads at most one of q_idx and kv_idx, the tile summed
-over the other (or over both) with one atomic per key, query or tile into a workspace. The
+buffers; for terms whose entry reads at most one of q_idx and kv_idx, the tile summed
+over the other (or over both) with one atomic per key, query or tile into a workspace; for
+terms whose entry reads them only through kv_idx - q_idx (a relative-position table), the
+tile summed along its diagonals with one atomic per diagonal into the workspace. The
 result is cast to the buffer's dtype afterwards.
 """
 
@@ -144,6 +146,16 @@ def scatter_terms(node: torch.fx.Node, buffer_rank: int, what: str) -> list[Scat
         f"0-d tensor used directly. Slices and partial indexing are not supported.")
 
 
+def _through_difference(index: torch.fx.Node, pair: set) -> bool:
+    """Whether ``index`` reads q_idx and kv_idx (``pair``) only through ``kv_idx - q_idx``
+    (or ``q_idx - kv_idx``): then it is the same for every (q, kv) pair of a diagonal."""
+    def not_the_difference(n: torch.fx.Node) -> bool:
+        return not (n.target is aten.sub.Tensor and len(n.args) == 2 and set(n.args) == pair
+                    and n.kwargs.get("alpha", 1) == 1)
+
+    return not depends_on(index, pair, through=not_the_difference)
+
+
 def scalar_loader(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype, device, captured, what: str,
                    fast_tanh: bool = False):
     """An IR loader of ``node`` (a 0-d value of the joint graph) for the template."""
@@ -170,9 +182,17 @@ class BufferGradPlan:
       not kv_idx. The kernel sums the tile over its queries (keys) and adds each key's
       (query's) sum with one atomic, at the index subgraph evaluated on that key
       (query): a tile's keys or queries in atomics instead of all its pairs.
+    * ``diagonal`` (pairs after the per-query ones): terms whose entry reads q_idx and
+      kv_idx only through kv_idx - q_idx (a relative-position table, a bucket of the
+      distance). Every pair of a tile's diagonal adds into one entry, so the kernel sums
+      the tile along its diagonals (through its scratch slot in ``workspace``) and adds
+      each sum with one atomic, at the index subgraph evaluated on one pair of the
+      diagonal: BLOCK_N1 + BLOCK_M1 - 1 atomics per tile instead of one per pair.
     * ``scatter_grads``: the zero-filled float32 buffers the scatters add into.
     * ``grads[i]``: the float32 gradient of captured tensor i (None if it needs none),
       a view into ``workspace`` for the terms summed in the kernel.
+    * ``scratch_offset``: the workspace element where the dK/dV programs' scratch slots
+      start, after every gradient entry (0 without diagonal terms, which alone use it).
     """
 
     scatters: list
@@ -180,13 +200,15 @@ class BufferGradPlan:
     reduced: list
     per_key: list
     per_query: list
+    diagonal: list
     workspace: Any
     grads: list
+    scratch_offset: int
 
     @property
     def summed(self) -> list:
         """The (value, workspace index) subgraphs of every term the kernel sums first."""
-        return [*self.reduced, *self.per_key, *self.per_query]
+        return [*self.reduced, *self.per_key, *self.per_query, *self.diagonal]
 
 
 def _linear_index_buffer(index_fns, sizes, base: int, device) -> ir.ComputedBuffer:
@@ -211,17 +233,19 @@ def _linear_index_buffer(index_fns, sizes, base: int, device) -> ir.ComputedBuff
     return buffer
 
 
-def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_tanh: bool) -> BufferGradPlan:
+def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_tanh: bool,
+                      scratch_elements: int | None) -> BufferGradPlan:
     """The subgraphs and float32 buffers of the captured-tensor gradients (see
-    ``BufferGradPlan``)."""
+    ``BufferGradPlan``). ``scratch_elements``: the workspace the diagonal terms' scratch
+    slots take, None where the call's sizes are not static (such terms then scatter)."""
     results = joint_outputs(joint_gm)[1:]
     captured = as_tensor_boxes(score_mod_buffers)
     placeholders = [n for n in joint_gm.graph.nodes if n.op == "placeholder"]
     q_idx, kv_idx = placeholders[3], placeholders[4]  # JOINT_ARGS order
 
     terms_of: dict[int, list[ScatterTerm]] = {}
-    # How the kernel adds each buffer's gradient: "reduced", "per_key", "per_query" (into
-    # the workspace, so static sizes only) or "scatter" (see BufferGradPlan).
+    # How the kernel adds each buffer's gradient: "reduced", "per_key", "per_query",
+    # "diagonal" (into the workspace, so static sizes only) or "scatter" (see BufferGradPlan).
     kind: dict[int, str] = {}
     for i, (buf, want, node) in enumerate(zip(score_mod_buffers, wants, results)):
         if want:
@@ -231,21 +255,30 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
             reads_q = any(depends_on(idx, {q_idx}) for idx in indices)
             reads_kv = any(depends_on(idx, {kv_idx}) for idx in indices)
             static = all(isinstance(s, (int, sympy.Integer)) for s in sizes)
-            kind[i] = ("scatter" if not static or (reads_q and reads_kv)
-                       else "per_query" if reads_q else "per_key" if reads_kv else "reduced")
+            if not static:
+                kind[i] = "scatter"
+            elif reads_q and reads_kv:
+                diagonal = scratch_elements is not None and all(
+                    _through_difference(idx, {q_idx, kv_idx}) for idx in indices)
+                kind[i] = "diagonal" if diagonal else "scatter"
+            else:
+                kind[i] = "per_query" if reads_q else "per_key" if reads_kv else "reduced"
 
     offsets, total = {}, 0
     for i in terms_of:
         if kind[i] != "scatter":
             offsets[i] = total
             total += int(sympy.prod([int(s) for s in score_mod_buffers[i].get_size()]))
+    scratch_offset = 0
+    if "diagonal" in kind.values():
+        scratch_offset, total = total, total + scratch_elements
     # Without summed terms the kernel never touches the workspace: an empty buffer spares
     # the call a fill kernel's launch.
     workspace = (realize_fixed(lowerings[aten.full.default]([total], 0.0, dtype=torch.float32, device=device))
                  if total else signature_filler(device))
 
     scatters: list[ir.ComputedBuffer] = []
-    summed: dict[str, list[ir.ComputedBuffer]] = {"reduced": [], "per_key": [], "per_query": []}
+    summed: dict[str, list[ir.ComputedBuffer]] = {"reduced": [], "per_key": [], "per_query": [], "diagonal": []}
     scatter_grads: list[Any] = []
     grads: list[Any] = [None] * len(score_mod_buffers)
     for i, terms in terms_of.items():
@@ -280,7 +313,8 @@ def plan_buffer_grads(joint_gm, score_mod_buffers, wants, dtype, device, fast_ta
             scatters.append(ir.ComputedBuffer(name=grad.get_name(), layout=ir.MutationLayoutSHOULDREMOVE(grad),
                                               data=scatter))
     return BufferGradPlan(scatters=scatters, scatter_grads=scatter_grads, reduced=summed["reduced"],
-                          per_key=summed["per_key"], per_query=summed["per_query"], workspace=workspace, grads=grads)
+                          per_key=summed["per_key"], per_query=summed["per_query"], diagonal=summed["diagonal"],
+                          workspace=workspace, grads=grads, scratch_offset=scratch_offset)
 
 
 def finish_buffer_grad(grad, buf):

@@ -231,8 +231,9 @@ def round_comparison_scalars(graph_module: torch.fx.GraphModule) -> None:
         graph_module.recompile()
 
 
-def depends_on(node: torch.fx.Node, targets: set) -> bool:
-    """Whether the fx ``node`` is computed from any of the nodes ``targets``."""
+def depends_on(node: torch.fx.Node, targets: set, through=lambda n: True) -> bool:
+    """Whether the fx ``node`` is computed from any of the nodes ``targets``, following
+    only the inputs of nodes for which ``through`` holds."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
@@ -240,7 +241,8 @@ def depends_on(node: torch.fx.Node, targets: set) -> bool:
             return True
         if n not in seen:
             seen.add(n)
-            stack.extend(n.all_input_nodes)
+            if through(n):
+                stack.extend(n.all_input_nodes)
     return False
 
 
