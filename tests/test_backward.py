@@ -432,14 +432,20 @@ def _distance_table(h: int, n: int, form: str, width: int = 5):
     return make
 
 
-@pytest.mark.parametrize("L,S", [(scaled(37, 301), scaled(75, 700)), (scaled(75, 700), scaled(37, 301))], ids=str)
-@pytest.mark.parametrize("form", ["clamped", "reversed", "upper", "lower", "shared"])
+_SHORT_Q, _SHORT_KV = (scaled(37, 301), scaled(75, 700)), (scaled(75, 700), scaled(37, 301))
+
+
+@pytest.mark.triton_kernels
+@pytest.mark.parametrize("form,L,S", [("clamped", *_SHORT_Q), ("clamped", *_SHORT_KV), ("reversed", *_SHORT_Q),
+                                      ("upper", *_SHORT_KV), ("lower", *_SHORT_Q), ("shared", *_SHORT_KV)], ids=str)
 def test_distance_tables_summed_along_diagonals(form, L, S):
+    # The diagonal sums are the Triton backward's (the CPU engine sums per pair as before).
     # GQA: the group's query heads reuse one program's scratch slot in turn.
     run_case(dtype=torch.float32, Hq=4, Hkv=2, L=L, S=S, make_mods=_distance_table(4, max(L, S), form),
              block_size=scaled(16, 128))
 
 
+@pytest.mark.triton_kernels
 @pytest.mark.parametrize("options", [{"bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32},
                                      {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 16, "ONE_KV_LOOP": True}], ids=str)
 def test_distance_tables_with_unequal_tiles(options):
@@ -470,6 +476,7 @@ def _summed_kinds_together(h: int, n: int):
     return make
 
 
+@pytest.mark.triton_kernels
 def test_summed_terms_share_the_workspace():
     # The terms' entries and the scratch slots after them in one workspace must not overlap.
     n = scaled(53, 400)
