@@ -19,7 +19,7 @@ from flexattn import mods
 from flexattn._hop import build_score_mod_graphs
 from flexattn.lowering.backward_plan import BackwardInputs, BackwardPlan, plan_backward
 from flexattn.lowering.configs import gluon_backward as gluon_configs
-from flexattn.lowering.subgraph import reads_positions
+from flexattn.lowering.subgraph import divides_by_non_power_of_two, reads_positions
 from flexattn.templates import gluon_kernel_source
 
 import _harness as harness
@@ -90,10 +90,29 @@ def test_calls_the_gluon_backward_does_not_cover(change, reason):
     assert auto.kernel == "triton" and reason[:20] in auto.reason
 
 
-@pytest.mark.parametrize("head_dim,reads_positions,late", [(128, True, True), (128, False, False), (64, True, False),
-                                                           (64, False, False)])
-def test_dp_is_issued_late_at_head_dim_128_under_a_positional_score_mod(head_dim, reads_positions, late):
-    assert gluon_configs.late_dp_default(head_dim, reads_positions) is late
+@pytest.mark.parametrize("head_dim,reads_positions,divides,late", [
+    (128, True, False, True), (128, False, False, False), (128, False, True, True), (128, True, True, True),
+    (64, True, False, False), (64, False, True, False), (64, False, False, False)])
+def test_dp_is_issued_late_at_head_dim_128_under_positional_or_dividing_mods(head_dim, reads_positions, divides, late):
+    assert gluon_configs.late_dp_default(head_dim, reads_positions, divides) is late
+
+
+def _canvas_mask(width):
+    def mask(b, h, q_idx, kv_idx):
+        return ((q_idx // width - kv_idx // width).abs() <= 3) & ((q_idx % width - kv_idx % width).abs() <= 3)
+    return mask
+
+
+@pytest.mark.parametrize("mask_mod,divides", [
+    (_canvas_mask(90), True), (_canvas_mask(64), False), (mods.causal_mask, False), (mods.sliding_window(100), False),
+    (lambda b, h, q, kv: torch.div(q, 3, rounding_mode="trunc") == torch.div(kv, 3, rounding_mode="trunc"), True),
+    (lambda b, h, q, kv: torch.fmod(q - kv, 6) == 0, True), (lambda b, h, q, kv: q // 1024 == kv // 1024, False),
+    (lambda b, h, q, kv: (q / 3) > kv, False), (lambda b, h, q, kv: q // (kv + 1) == 0, True)],
+    ids=["canvas90", "canvas64", "causal", "window", "trunc3", "fmod6", "chunk1024", "true_division", "by_index"])
+def test_which_mask_mods_divide_by_a_non_power_of_two(mask_mod, divides):
+    from torch.fx.experimental.proxy_tensor import make_fx
+    graph = make_fx(mask_mod)(*(torch.zeros((), dtype=torch.int32) for _ in range(4)))
+    assert divides_by_non_power_of_two(graph) is divides
 
 
 @pytest.mark.parametrize("score_mod,reads", [

@@ -45,7 +45,8 @@ from .configs import backward as backward_configs
 from .configs import gluon_backward as gluon_backward_configs
 from .configs import tma as tma_configs
 from .configs.base import shared_memory_limit
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, gathered_tile_bytes, reads_positions
+from .subgraph import (MASK_MOD_ARGS, SCORE_MOD_ARGS, build_mod_buffer, divides_by_non_power_of_two,
+                       gathered_tile_bytes, reads_positions)
 
 aten = torch.ops.aten
 log = logging.getLogger("flexattn.lowering")
@@ -188,7 +189,9 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
         template, template_name, what = gluon_backward_template, GLUON_TEMPLATE_NAME, "Gluon backward"
         late_dp = _options.read(kernel_options, "BWD_LATE_DP")
         if late_dp is None:
-            late_dp = gluon_backward_configs.late_dp_default(spec["QK_HEAD_DIM"], reads_positions(fw_graph.graph_module))
+            late_dp = gluon_backward_configs.late_dp_default(
+                spec["QK_HEAD_DIM"], reads_positions(fw_graph.graph_module),
+                divides_by_non_power_of_two(call.mask_graph.graph_module))
         usable = [dataclasses.replace(gluon_backward_configs.SM90[spec["QK_HEAD_DIM"]], late_dp=bool(late_dp))]
     else:
         template, template_name, what = backward_template, TEMPLATE_NAME, "backward"

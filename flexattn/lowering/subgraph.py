@@ -296,6 +296,32 @@ def reads_positions(graph_module: torch.fx.GraphModule) -> bool:
     return any(depends_on(node, positions) for node in output.all_input_nodes)
 
 
+#: Integer quotients and remainders (``//``, ``%``, ``torch.div(..., rounding_mode=...)``).
+_INTEGER_DIVISIONS = frozenset({
+    torch.ops.aten.div.Tensor_mode, torch.ops.aten.div.Scalar_mode, torch.ops.aten.floor_divide.default,
+    torch.ops.aten.floor_divide.Scalar, torch.ops.aten.remainder.Tensor, torch.ops.aten.remainder.Scalar,
+    torch.ops.aten.fmod.Tensor, torch.ops.aten.fmod.Scalar,
+})
+
+
+def divides_by_non_power_of_two(graph_module: torch.fx.GraphModule) -> bool:
+    """Whether a mod's graph takes an integer quotient or remainder by anything but a constant
+    power of two (a 90-wide canvas's rows and columns; a divisor read at run time).
+
+    A power of two divides by a shift; any other divisor by a multiply-high, shift and sign
+    correction per index, whose temporaries the kernels hold beside their accumulators."""
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or node.target not in _INTEGER_DIVISIONS:
+            continue
+        if node.target in (torch.ops.aten.div.Tensor_mode, torch.ops.aten.div.Scalar_mode) and \
+                node.kwargs.get("rounding_mode") is None:
+            continue
+        divisor = node.args[1]
+        if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor <= 0 or divisor & (divisor - 1):
+            return True
+    return False
+
+
 def inline_scalar_items(*subgraphs) -> None:
     """Let mods read captured Python floats as 0-d tensors, in place.
 

@@ -60,13 +60,15 @@ AUTO_MIN_LENGTH: dict[int, int] = {64: 8192, 128: 4096}
 AUTO_MIN_WORK = 2 ** 36
 
 
-#: Head dims at which a call whose score_mod reads q_idx or kv_idx issues dP^T late
-#: (``late_dp``): at D=128 the consumers spill where such a mod's index tiles meet both
-#: accumulators in flight; at D=64, without a score_mod and under a soft-cap of the score
-#: alone, the lost overlap measured slower (bench/DECISIONS.md#gluon-backward-late-dp).
+#: Head dims at which a call whose mods hold index tiles issues dP^T late (``late_dp``): at
+#: D=128 the consumers spill where a score_mod's index tiles, or a mask_mod's quotients by a
+#: divisor other than a power of two, meet both accumulators in flight; at D=64, without
+#: such mods and under a soft-cap of the score alone, the lost overlap measured slower
+#: (bench/DECISIONS.md#gluon-backward-late-dp).
 LATE_DP_HEAD_DIMS: frozenset[int] = frozenset({128})
 
 
-def late_dp_default(head_dim: int, score_mod_reads_positions: bool) -> bool:
-    """``late_dp`` when kernel_options BWD_LATE_DP leave it unset."""
-    return score_mod_reads_positions and head_dim in LATE_DP_HEAD_DIMS
+def late_dp_default(head_dim: int, score_mod_reads_positions: bool, mask_mod_divides: bool = False) -> bool:
+    """``late_dp`` when kernel_options BWD_LATE_DP leave it unset: the score_mod reads q_idx
+    or kv_idx, or the mask_mod divides indices by a divisor other than a power of two."""
+    return (score_mod_reads_positions or mask_mod_divides) and head_dim in LATE_DP_HEAD_DIMS
