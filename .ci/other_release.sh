@@ -29,4 +29,5 @@ if ! "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
   esac
 fi
 mapfile -t subset < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' tests/release_subset.txt)
-PYTHONPATH=$PWD "$venv/bin/python" -m pytest "${subset[@]}" -q -n auto
+# The heavy parametrisations (tests/conftest.py HEAVY) run on the default torch only.
+PYTHONPATH=$PWD "$venv/bin/python" -m pytest "${subset[@]}" -q -n auto -m "not heavy"

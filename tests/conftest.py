@@ -16,6 +16,11 @@ DEVICE = os.environ.get("FLEXATTN_TEST_DEVICE", "cuda" if torch.cuda.is_availabl
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+#: A parametrisation that takes over 20 s in the interpreter, whose feature another
+#: parametrisation of the same test covers: the release subset (.ci/other_release.sh) leaves
+#: it to the default torch's run.
+HEAVY = pytest.mark.heavy
+
 from flexattn import _compat  # noqa: E402
 
 if DEVICE == "cpu":

@@ -32,7 +32,7 @@ from flexattn.block_mask import BlockMask, and_masks, create_block_mask, noop_ma
 
 import _harness as harness
 from _generated_code import constexpr
-from conftest import DEVICE
+from conftest import DEVICE, HEAVY
 
 flexattn.lowering.register()
 _compat.use_interpreter_libdevice()
@@ -387,8 +387,8 @@ def _cyclic_position_table(h: int, period: int = 7):
     return make
 
 
-@pytest.mark.parametrize("L,S", [(scaled(64, 512), scaled(64, 512)), (scaled(37, 301), scaled(75, 700)),
-                                 (scaled(75, 700), scaled(37, 301))], ids=str)
+@pytest.mark.parametrize("L,S", [(scaled(37, 301), scaled(75, 700)),
+                                 pytest.param(scaled(75, 700), scaled(37, 301), marks=HEAVY)], ids=str)
 def test_position_tables_at_odd_and_unequal_lengths(L, S):
     # The last tiles' pairs, and whole diagonals of them, lie partly past the ends: they
     # must add nothing. An entry of the cyclic table sums up to 2 x 512 pairs one float32
@@ -436,8 +436,10 @@ _SHORT_Q, _SHORT_KV = (scaled(37, 301), scaled(75, 700)), (scaled(75, 700), scal
 
 
 @pytest.mark.triton_kernels
-@pytest.mark.parametrize("form,L,S", [("clamped", *_SHORT_Q), ("clamped", *_SHORT_KV), ("reversed", *_SHORT_Q),
-                                      ("upper", *_SHORT_KV), ("lower", *_SHORT_Q), ("shared", *_SHORT_KV)], ids=str)
+@pytest.mark.parametrize("form,L,S", [
+    pytest.param("clamped", *_SHORT_Q, marks=HEAVY), pytest.param("clamped", *_SHORT_KV, marks=HEAVY),
+    pytest.param("reversed", *_SHORT_Q, marks=HEAVY), pytest.param("upper", *_SHORT_KV, marks=HEAVY),
+    pytest.param("lower", *_SHORT_Q, marks=HEAVY), ("shared", *_SHORT_KV)], ids=str)
 def test_distance_tables_summed_along_diagonals(form, L, S):
     # The diagonal sums are the Triton backward's (the CPU engine sums per pair as before).
     # GQA: the group's query heads reuse one program's scratch slot in turn.
@@ -502,8 +504,11 @@ def _one_sided_table(h: int, n: int, side: str):
     return make
 
 
-@pytest.mark.parametrize("L,S", [(scaled(37, 301), scaled(75, 700)), (scaled(75, 700), scaled(37, 301))], ids=str)
-@pytest.mark.parametrize("side", ["key", "query", "coarse_key"])
+@pytest.mark.parametrize("side,L,S", [
+    pytest.param(side, *lengths, marks=HEAVY) if (side, lengths) in (("key", _SHORT_KV), ("query", _SHORT_KV),
+                                                                     ("key", _SHORT_Q), ("coarse_key", _SHORT_KV))
+    else (side, *lengths)
+    for side in ("key", "query", "coarse_key") for lengths in (_SHORT_Q, _SHORT_KV)], ids=str)
 def test_tables_read_on_one_side_summed_over_the_other(side, L, S):
     # Odd and unequal lengths: the last tiles' keys or queries past the ends must add nothing.
     run_case(dtype=torch.float32, Hq=4, Hkv=2, L=L, S=S, make_mods=_one_sided_table(4, max(L, S), side),
@@ -622,7 +627,8 @@ LOOP_AND_TMA_OPTIONS = [{"ONE_KV_LOOP": True}, {"USE_TMA": True}, {"ONE_KV_LOOP"
 
 # Every option set on an even shape; the odd shape (odd lengths, E=40 padded to 64, GQA)
 # with both options at once, which covers the other two's edges (interpreter budget).
-LOOP_AND_TMA_CASES = [(o, 64, 64, 32, 2, 2) for o in LOOP_AND_TMA_OPTIONS] + [(LOOP_AND_TMA_OPTIONS[2], 77, 130, 40, 4, 2)]
+LOOP_AND_TMA_CASES = [(o, 64, 64, 32, 2, 2) for o in LOOP_AND_TMA_OPTIONS] + [
+    pytest.param(LOOP_AND_TMA_OPTIONS[2], 77, 130, 40, 4, 2, marks=HEAVY)]
 
 
 @pytest.mark.triton_kernels
@@ -659,8 +665,8 @@ def test_one_loop_with_captured_mask_tensor():
 # sparse block cut in both views), a padded head dim, GQA, a learnable captured tensor,
 # and the loop and load variants.
 @pytest.mark.parametrize("options,L,S,E,Hq,Hkv", [
-    ({}, 77, 130, 40, 4, 2),
-    ({"USE_TMA": True, "ONE_KV_LOOP": True}, 77, 130, 40, 4, 2),
+    pytest.param({}, 77, 130, 40, 4, 2, marks=HEAVY),
+    pytest.param({"USE_TMA": True, "ONE_KV_LOOP": True}, 77, 130, 40, 4, 2, marks=HEAVY),
     ({"DQ_ATOMIC": True}, 64, 100, 32, 2, 1),
 ], ids=["default", "tma_one_loop", "dq_atomic"])
 def test_default_mask_dense_walk(options, L, S, E, Hq, Hkv):
@@ -767,7 +773,7 @@ def test_backward_tma_programs_choice():
 
 
 @pytest.mark.triton_kernels
-@pytest.mark.parametrize("dkdv,dq", [(False, True), (True, False)], ids=["dq_only", "dkdv_only"])
+@pytest.mark.parametrize("dkdv,dq", [pytest.param(False, True, marks=HEAVY), (True, False)], ids=["dq_only", "dkdv_only"])
 def test_tma_in_one_program_kind(dkdv, dq, monkeypatch):
     """Descriptors in one backward program kind, pointers in the other (the automatic
     choice on Hopper is dQ only) at the edges: odd lengths, a padded head dim, GQA, a
