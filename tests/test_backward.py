@@ -387,8 +387,10 @@ def _cyclic_position_table(h: int, period: int = 7):
     return make
 
 
-@pytest.mark.parametrize("L,S", [(scaled(37, 301), scaled(75, 700)),
-                                 pytest.param(scaled(75, 700), scaled(37, 301), marks=HEAVY)], ids=str)
+_SHORT_Q, _SHORT_KV = (scaled(37, 301), scaled(75, 700)), (scaled(75, 700), scaled(37, 301))
+
+
+@pytest.mark.parametrize("L,S", [_SHORT_Q, pytest.param(*_SHORT_KV, marks=HEAVY)], ids=str)
 def test_position_tables_at_odd_and_unequal_lengths(L, S):
     # The last tiles' pairs, and whole diagonals of them, lie partly past the ends: they
     # must add nothing. An entry of the cyclic table sums up to 2 x 512 pairs one float32
@@ -430,9 +432,6 @@ def _distance_table(h: int, n: int, form: str, width: int = 5):
         return mods_of, [table]
 
     return make
-
-
-_SHORT_Q, _SHORT_KV = (scaled(37, 301), scaled(75, 700)), (scaled(75, 700), scaled(37, 301))
 
 
 @pytest.mark.triton_kernels
@@ -505,10 +504,9 @@ def _one_sided_table(h: int, n: int, side: str):
 
 
 @pytest.mark.parametrize("side,L,S", [
-    pytest.param(side, *lengths, marks=HEAVY) if (side, lengths) in (("key", _SHORT_KV), ("query", _SHORT_KV),
-                                                                     ("key", _SHORT_Q), ("coarse_key", _SHORT_KV))
-    else (side, *lengths)
-    for side in ("key", "query", "coarse_key") for lengths in (_SHORT_Q, _SHORT_KV)], ids=str)
+    pytest.param("key", *_SHORT_Q, marks=HEAVY), pytest.param("key", *_SHORT_KV, marks=HEAVY),
+    ("query", *_SHORT_Q), pytest.param("query", *_SHORT_KV, marks=HEAVY),
+    ("coarse_key", *_SHORT_Q), pytest.param("coarse_key", *_SHORT_KV, marks=HEAVY)], ids=str)
 def test_tables_read_on_one_side_summed_over_the_other(side, L, S):
     # Odd and unequal lengths: the last tiles' keys or queries past the ends must add nothing.
     run_case(dtype=torch.float32, Hq=4, Hkv=2, L=L, S=S, make_mods=_one_sided_table(4, max(L, S), side),

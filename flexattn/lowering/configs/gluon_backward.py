@@ -68,7 +68,7 @@ AUTO_MIN_WORK = 2 ** 36
 LATE_DP_HEAD_DIMS: frozenset[int] = frozenset({128})
 
 
-def late_dp_default(head_dim: int, score_mod_reads_positions: bool, mask_mod_divides: bool = False) -> bool:
+def late_dp_default(head_dim: int, score_mod_reads_positions: bool, mask_mod_divides: bool) -> bool:
     """``late_dp`` when kernel_options BWD_LATE_DP leave it unset: the score_mod reads q_idx
     or kv_idx, or the mask_mod divides indices by a divisor other than a power of two."""
     return (score_mod_reads_positions or mask_mod_divides) and head_dim in LATE_DP_HEAD_DIMS
