@@ -129,22 +129,21 @@ def finished_tests(progress_logs: str) -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """FLEXATTN_RESUME (progress logs of earlier runs, joined by os.pathsep) drops the
-    tests they finished, so a run cut off by a device call's time limit goes on where it
-    stopped. Then FLEXATTN_SHARD="i/n" keeps every n-th test from the i-th on (1-based),
-    so the CUDA suite splits into n device calls of similar length (each shard takes
-    tests of every file)."""
+    """FLEXATTN_SHARD="i/n" keeps every n-th test from the i-th on (1-based), so the CUDA
+    suite splits into n device calls of similar length (each shard takes tests of every
+    file). Then FLEXATTN_RESUME (progress logs of earlier runs, joined by os.pathsep) drops
+    the tests they finished, so a shard cut off by a device call's time limit goes on where
+    it stopped (sharding first: the same FLEXATTN_SHARD then names the same tests)."""
+    shard = os.environ.get("FLEXATTN_SHARD")
+    if shard:
+        index, count = (int(x) for x in shard.split("/"))
+        if not 1 <= index <= count:
+            raise pytest.UsageError(f"FLEXATTN_SHARD must be i/n with 1 <= i <= n, got {shard!r}")
+        _keep_only(config, items, [position % count == index - 1 for position in range(len(items))])
     resume = os.environ.get("FLEXATTN_RESUME")
     if resume:
         done = finished_tests(resume)
         _keep_only(config, items, [item.nodeid not in done for item in items])
-    shard = os.environ.get("FLEXATTN_SHARD")
-    if not shard:
-        return
-    index, count = (int(x) for x in shard.split("/"))
-    if not 1 <= index <= count:
-        raise pytest.UsageError(f"FLEXATTN_SHARD must be i/n with 1 <= i <= n, got {shard!r}")
-    _keep_only(config, items, [position % count == index - 1 for position in range(len(items))])
 
 
 def _keep_only(config, items, keep: list[bool]) -> None:

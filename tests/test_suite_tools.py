@@ -1,6 +1,6 @@
 """The suite's own switches for device calls (tests/conftest.py): FLEXATTN_PROGRESS_LOG
 writes one line per finished test, FLEXATTN_RESUME drops what such logs finished, and
-FLEXATTN_SHARD splits the rest; and the release subset CI runs on a second torch release
+FLEXATTN_SHARD splits the suite before that; and the release subset CI runs on a second torch release
 (tests/release_subset.txt)."""
 
 import os
@@ -32,7 +32,7 @@ def _collected(env: dict[str, str]) -> list[str]:
     return [line for line in _pytest(TARGET, "--collect-only", **env).splitlines() if line.startswith(TARGET + "::")]
 
 
-def test_resume_drops_finished_tests_then_shards(tmp_path):
+def test_shard_then_resume_drops_finished_tests(tmp_path):
     everything = _collected({})
     assert len(everything) >= 6
     first_log, second_log = tmp_path / "a.log", tmp_path / "b.log"
@@ -43,8 +43,12 @@ def test_resume_drops_finished_tests_then_shards(tmp_path):
     rest = everything[3:]
     assert _collected({"FLEXATTN_RESUME": str(first_log)}) == everything[1:2] + rest
     assert _collected({"FLEXATTN_RESUME": os.pathsep.join(map(str, (first_log, second_log)))}) == rest
+    # A shard cut off and resumed under the same FLEXATTN_SHARD runs that shard's remainder,
+    # not every other test of what all shards left.
+    shard = _collected({"FLEXATTN_SHARD": "2/2"})
+    assert shard == everything[1::2]
     assert _collected({"FLEXATTN_RESUME": os.pathsep.join(map(str, (first_log, second_log))),
-                       "FLEXATTN_SHARD": "2/2"}) == rest[1::2]
+                       "FLEXATTN_SHARD": "2/2"}) == [t for t in shard if t in rest]
 
 
 def test_progress_log_has_one_line_per_test_under_xdist(tmp_path):
