@@ -206,12 +206,14 @@ def test_tma_defaults_per_kernel_and_head_dim(monkeypatch):
         assert not configs.tma_by_default("forward", dev, dim, torch.float32, long)
         assert not configs.tma_by_default("forward", dev, dim, torch.bfloat16, short)
         assert not configs.tma_by_default("backward", dev, dim, torch.float16, short)
-    # A small forward call keeps pointer loads (the static launcher); the backward's choice
-    # does not read the work.
+    # A small call keeps pointer loads (the static launcher), forward and backward alike.
     big, small = configs.TMA_MIN_FORWARD_WORK, configs.TMA_MIN_FORWARD_WORK - 1
     assert configs.tma_by_default("forward", dev, 64, torch.bfloat16, long, work=big)
     assert not configs.tma_by_default("forward", dev, 64, torch.bfloat16, long, work=small)
-    assert configs.tma_by_default("backward", dev, 128, torch.bfloat16, long, work=small)
+    big, small = configs.TMA_MIN_BACKWARD_WORK, configs.TMA_MIN_BACKWARD_WORK - 1
+    assert configs.tma_by_default("backward", dev, 128, torch.bfloat16, long, work=big)
+    assert not configs.tma_by_default("backward", dev, 128, torch.bfloat16, long, work=small)
+    assert not configs.tma_by_default("decode", dev, 128, torch.bfloat16, long, work=big)
     monkeypatch.setattr(configs, "gpu_generation", lambda device: "sm80")
     assert not configs.tma_by_default("forward", dev, 128, torch.bfloat16, long)
 

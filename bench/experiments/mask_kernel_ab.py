@@ -2,13 +2,15 @@
 
     python bench/experiments/mask_kernel_ab.py NAMES [D] [VARIANTS_JSON] [--mode fwd|fwdbwd] [--top alibi|softcap]
 
-NAMES: comma-separated formulations of bench/bench_user_masks.py, at B=4 H=16 S=8192, bf16.
+NAMES: comma-separated formulations of bench/bench_user_masks.py, at B=4 H=16 S=8192 (or
+``--shape``, one of the suite's shape names), bf16.
 VARIANTS_JSON: {name: kernel_options} (default AUTO, BACKEND TRITON, BACKEND GLUON).
 --mode fwdbwd times forward and backward together (backward tiles: the `bwd_` options);
 --top puts the suite's ALiBi or soft-cap score_mod on the mask. Prints one JSON line per
 formulation: the listed partial and full blocks per query block, each variant's and
 torch's do_bench milliseconds (launch included; with --rounds N, N rounds taken in turn and
-each one's list), and the largest difference of each variant's output (fwdbwd: and of its
+each one's list; ``--kernel-time``: the profiler's kernel milliseconds a call instead, for
+calls short enough that do_bench reads the host), and the largest difference of each variant's output (fwdbwd: and of its
 query gradient) from torch's.
 
 A variant's options may carry another backward template's text, ``"_backward_text": "PATH"``
@@ -27,6 +29,7 @@ from torch.nn.attention import flex_attention as tf  # noqa: E402
 
 import _tuning  # noqa: E402
 import bench_user_masks as um  # noqa: E402
+import profiler  # noqa: E402
 import flexattn  # noqa: E402
 from flexattn.templates import gluon_kernel_source, kernel_source, read_template  # noqa: E402
 
@@ -38,9 +41,12 @@ parser.add_argument("variants", nargs="?",
 parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
 parser.add_argument("--top", choices=("alibi", "softcap"))
 parser.add_argument("--rounds", type=int, default=1)
+parser.add_argument("--shape", default="b4h16s8192", choices=[s.name for s in um.SHAPES])
+parser.add_argument("--kernel-time", action="store_true", help="time kernels (profiler), not do_bench")
 args = parser.parse_args()
 D, variants = args.D, json.loads(args.variants)
-shape = um.Shape(4, 16, 8192)
+shape = next(s for s in um.SHAPES if s.name == args.shape)
+B, H = shape.B, shape.H
 dev = torch.device("cuda")
 
 if any(key in opts for opts in variants.values() for key in ("_backward_text", "_gluon_backward_text")):
@@ -60,8 +66,12 @@ def timed(fn, q, k, v, grad):
     dq = None
     if args.mode == "fwdbwd":
         dq, q.grad, k.grad, v.grad = q.grad.clone(), None, None, None
-    ms = triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=[q, k, v] if args.mode == "fwdbwd" else None)
-    return out.detach(), dq, round(ms, 3)
+    grads = [q, k, v] if args.mode == "fwdbwd" else []
+    if args.kernel_time:
+        ms = sum(us for _name, us, _launches in profiler.kernel_table(step, grads)) / 1e3
+    else:
+        ms = triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=grads or None)
+    return out.detach(), dq, round(ms, 4)
 
 
 for name in args.names.split(","):
@@ -71,10 +81,10 @@ for name in args.names.split(","):
     tbm = tf.create_block_mask(built.mask_mod, None, None, built.q_len, built.kv_len, device=dev)
     g = torch.Generator(device="cuda").manual_seed(0)
     grad_on = args.mode == "fwdbwd"
-    q = torch.randn(4, 16, built.q_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
-    k = torch.randn(4, 16, built.kv_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
-    v = torch.randn(4, 16, built.kv_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
-    grad = torch.randn(4, 16, built.q_len, D, device=dev, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(B, H, built.q_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
+    k = torch.randn(B, H, built.kv_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
+    v = torch.randn(B, H, built.kv_len, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(grad_on)
+    grad = torch.randn(B, H, built.q_len, D, device=dev, dtype=torch.bfloat16, generator=g)
     kv_num = fbm.kv_num_blocks.float().mean().item(); full = fbm.full_kv_num_blocks.float().mean().item()
     row = {"case": name, "D": D, "mode": args.mode, "top": args.top, "partial_blocks_per_row": round(kv_num, 1),
            "full_blocks_per_row": round(full, 1)}

@@ -30,6 +30,14 @@ TMA_MIN_KV_LENGTH = 4096
 #: more a call for the same kernel time (bench/DECISIONS.md#tma-small-forward-calls).
 TMA_MIN_FORWARD_WORK = 2 ** 36
 
+#: The same for the Triton backward (its dQ programs' descriptors): a few percent of a small
+#: call's kernel time against the launcher's host time, in calls the host already bounds
+#: (bench/DECISIONS.md#tma-small-backward-calls).
+TMA_MIN_BACKWARD_WORK = 2 ** 36
+
+#: Per kernel, the least work at which descriptors are the default.
+TMA_MIN_WORK = {"forward": TMA_MIN_FORWARD_WORK, "backward": TMA_MIN_BACKWARD_WORK}
+
 
 def tma_by_default(kernel: str, device: torch.device, padded_head_dim: int, dtype: torch.dtype,
                    kv_length: int, work: int | None = None) -> bool:
@@ -38,7 +46,7 @@ def tma_by_default(kernel: str, device: torch.device, padded_head_dim: int, dtyp
     symbolic)."""
     if dtype not in (torch.float16, torch.bfloat16) or kv_length < TMA_MIN_KV_LENGTH:
         return False
-    if kernel == "forward" and work is not None and work < TMA_MIN_FORWARD_WORK:
+    if work is not None and work < TMA_MIN_WORK.get(kernel, 0):
         return False
     key = (gpu_generation(device), head_dim_bucket(padded_head_dim))
     return key in TMA_DEFAULTS.get(kernel, frozenset())
