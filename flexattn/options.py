@@ -127,11 +127,12 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "template)", "torch",
                  default_doc="on for 16-bit inputs on sm90+ where it measured faster: forward every head dim, "
                              "backward D 65-128 in its dQ programs only (with DQ_ATOMIC in its dK/dV programs), "
-                             "from 4096 keys, never decode; a forward also needs batch x heads x queries x keys x "
-                             "head dim of 2**36 or more "
+                             "from 4096 keys, never decode; a forward or backward call also needs batch x heads x "
+                             "queries x keys x head dim of 2**36 or more "
                              "([decisions](../bench/DECISIONS.md#tma-tma-defaults), "
                              "[short sequences](../bench/DECISIONS.md#tma-short-sequences), "
                              "[small forward calls](../bench/DECISIONS.md#tma-small-forward-calls), "
+                             "[small backward calls](../bench/DECISIONS.md#tma-small-backward-calls), "
                              "[backward programs](../bench/DECISIONS.md#tma-backward-programs))"),
     KernelOption("REVERSED_Q_TILES", "tristate", PER_CALL, ("forward", "backward"),
                  "start the query tiles from the last one (the Triton forward: every head's last tile before "
