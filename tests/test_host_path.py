@@ -34,12 +34,13 @@ def _training_call(B: int, H: int, S: int, D: int):
     q, k, v = (torch.randn(B, H, S, D, device=DEVICE, dtype=torch.bfloat16, generator=gen, requires_grad=True)
                for _ in range(3))
     grad_out = torch.randn(B, H, S, D, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    score_mod = mods.alibi(H, device=DEVICE)
     compiled = torch.compile(flexattn.flex_attention, fullgraph=True, dynamic=False)
 
     def step():
         for t in (q, k, v):
             t.grad = None
-        out = compiled(q, k, v, block_mask=block_mask, score_mod=mods.alibi(H, device=DEVICE))
+        out = compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
         out.backward(grad_out)
         return out
 

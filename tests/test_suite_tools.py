@@ -1,7 +1,7 @@
 """The suite's own switches for device calls (tests/conftest.py): FLEXATTN_PROGRESS_LOG
-writes one line per finished test, FLEXATTN_RESUME drops what such logs finished, and
-FLEXATTN_SHARD splits the suite before that; and the release subset CI runs on a second torch release
-(tests/release_subset.txt)."""
+writes one line per finished test, FLEXATTN_SHARD splits the suite, and FLEXATTN_RESUME
+then drops what such logs finished; and the release subset CI runs on a second torch
+release (tests/release_subset.txt)."""
 
 import os
 import subprocess

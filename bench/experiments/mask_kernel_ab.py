@@ -10,8 +10,8 @@ VARIANTS_JSON: {name: kernel_options} (default AUTO, BACKEND TRITON, BACKEND GLU
 formulation: the listed partial and full blocks per query block, each variant's and
 torch's do_bench milliseconds (launch included; with --rounds N, N rounds taken in turn and
 each one's list; ``--kernel-time``: the profiler's kernel milliseconds a call instead, for
-calls short enough that do_bench reads the host), and the largest difference of each variant's output (fwdbwd: and of its
-query gradient) from torch's.
+calls short enough that do_bench reads the host), and the largest difference of each
+variant's output (fwdbwd: and of its query gradient) from torch's.
 
 A variant's options may carry another backward template's text, ``"_backward_text": "PATH"``
 (an edited copy of `flexattn/templates/backward.py.jinja`) or ``"_gluon_backward_text":
