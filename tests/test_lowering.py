@@ -376,6 +376,24 @@ def test_one_kv_loop_choice(monkeypatch):
     assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, partial_heavy=True)[0].one_kv_loop
     assert cfgs.candidate_configs(dev, 64, torch.bfloat16, False, {}, mask_reads_memory=True,
                                   partial_heavy=True)[0] == cfgs.ForwardConfig(64, 64, 4, 2, one_kv_loop=True)
+    # A small call (B=2 H=8 S=4096 D=128, 2**35 of work) with such a mask: 64x64, one loop,
+    # partial-heavy or not; at 2**36, or with a symbolic size (work None), the tiles above;
+    # arithmetic masks and float32 keep their tables.
+    small, bound = 2 * 8 * 4096 * 4096 * 128, cfgs.SMALL_CALL_WORK
+    assert small == bound // 2
+    for heavy in (False, True):
+        assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True, partial_heavy=heavy,
+                                      work=small)[0] == cfgs.ForwardConfig(64, 64, 4, 2, one_kv_loop=True)
+    for work in (bound, None):
+        assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True, partial_heavy=True,
+                                      work=work)[0] == cfgs.ForwardConfig(128, 128, 8, 2)
+        assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True,
+                                      work=work)[0] == cfgs.ForwardConfig(128, 64, 4, 2)
+    assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, work=small)[0] == cfgs.SM90[(128, "16bit")]
+    assert cfgs.candidate_configs(dev, 128, torch.float32, False, {}, mask_reads_memory=True,
+                                  work=small)[0] == cfgs.ForwardConfig(32, 64, 4, 3)
+    assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {"BLOCK_M": 128}, mask_reads_memory=True,
+                                  work=small)[0] == cfgs.ForwardConfig(128, 64, 4, 2, one_kv_loop=True)
     # float64 takes the float32 tiles (no tensor cores; its probability tile is staged
     # in shared memory, which the estimate counts).
     assert cfgs.default_config(dev, 64, torch.float64) == cfgs.default_config(dev, 64, torch.float32)

@@ -18,6 +18,7 @@ import torch
 
 from .base import (MIN_TILE, TileConfig, check_pinned, fit_candidates, generation_table, no_config_error,
                    table_entry, with_pinned)
+from .tma import TMA_MIN_FORWARD_WORK
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,17 @@ SM90_PARTIAL_HEAVY_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
     (128, "16bit"): ForwardConfig(128, 128, 8, 2),
 }
 PARTIAL_HEAVY_MEMORY_MASK_TABLES = {"sm90": SM90_PARTIAL_HEAVY_MEMORY_MASK}
+# The same for a small call (below SMALL_CALL_WORK, where sm90 takes the Triton template):
+# its few programs each walk a short row, and 64-row tiles with one loop double the
+# programs and drop the two-loop tile's spills; this wins over both tiles above on
+# documents, prefix-LM and table-driven neighbourhoods (bench/DECISIONS.md#forward-small-call-memory-mask).
+SM90_SMALL_CALL_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
+    (128, "16bit"): ForwardConfig(64, 64, 4, 2, one_kv_loop=True),
+}
+SMALL_CALL_MEMORY_MASK_TABLES = {"sm90": SM90_SMALL_CALL_MEMORY_MASK}
+#: batch x heads x queries x keys x QK head dim below which a call is small for the tables
+#: above: the forward's small-call bound (``configs.tma``), the calls these tiles were measured on.
+SMALL_CALL_WORK = TMA_MIN_FORWARD_WORK
 
 #: Extra candidates benchmarked under max_autotune (after fitting).
 AUTOTUNE_CANDIDATES: tuple[ForwardConfig, ...] = (
@@ -108,14 +120,18 @@ SMEM_STEPS = (("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n",
 
 
 def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype,
-                   mask_reads_memory: bool = False, partial_heavy: bool = False) -> ForwardConfig:
+                   mask_reads_memory: bool = False, partial_heavy: bool = False,
+                   work: int | None = None) -> ForwardConfig:
     """The call's default tile; ``mask_reads_memory``: the mask_mod reads captured tensors;
-    ``partial_heavy``: the BlockMask lists mostly partial blocks."""
+    ``partial_heavy``: the BlockMask lists mostly partial blocks; ``work``: batch x heads x
+    queries x keys x QK head dim (None where a size is symbolic)."""
     config = generation_table(TABLES, device, padded_head_dim, dtype)
     if not mask_reads_memory:
         return config
+    small = (work is not None and work < SMALL_CALL_WORK
+             and table_entry(SMALL_CALL_MEMORY_MASK_TABLES, device, padded_head_dim, dtype))
     heavy = partial_heavy and table_entry(PARTIAL_HEAVY_MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
-    return (heavy or table_entry(MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
+    return (small or heavy or table_entry(MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
             or dataclasses.replace(config, one_kv_loop=False))
 
 
@@ -136,17 +152,18 @@ def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, 
 
 def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.dtype, max_autotune: bool,
                       kernel_options: dict[str, Any], mask_reads_memory: bool = False,
-                      partial_heavy: bool = False) -> list[ForwardConfig]:
+                      partial_heavy: bool = False, work: int | None = None) -> list[ForwardConfig]:
     """Default (+ autotune candidates), with pinned fields applied, deduplicated.
 
-    A mask_mod that reads captured tensors takes ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``' tile
-    when the BlockMask lists mostly partial blocks, else ``MEMORY_MASK_TABLES``' where it has
+    A mask_mod that reads captured tensors takes ``SMALL_CALL_MEMORY_MASK_TABLES``' tile in a
+    call of less ``work`` than ``SMALL_CALL_WORK``, else ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``'
+    when the BlockMask lists mostly partial blocks, else ``MEMORY_MASK_TABLES``' where they have
     one; otherwise it keeps one loop per block group unless ONE_KV_LOOP is pinned: behind
     the one loop's branch its loads are not software-pipelined
     (bench/DECISIONS.md#forward-mask-reads-memory). The autotune candidates are all
     two-loop tiles.
     """
-    configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory, partial_heavy)]
+    configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory, partial_heavy, work)]
     if max_autotune:
         configs += list(AUTOTUNE_CANDIDATES)
     return with_pinned(configs, ForwardConfig.pinned_fields(kernel_options))
