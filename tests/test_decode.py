@@ -453,6 +453,32 @@ def test_kernel_options(options):
              options=options, block_size=64)
 
 
+@pytest.mark.parametrize("merge", sorted(MERGES))
+@pytest.mark.parametrize("aux", [None, "lse"])
+def test_a_decode_step_allocates_only_the_row_statistics_it_writes(merge, aux):
+    """A decoding step without a log-sum-exp request allocates neither (B, H, L) statistic
+    (each is host time a step); with one, one. Either merge; the results stay right."""
+    B, H, L, S = 2, 4, 1, 300
+    q, k, v = harness.make_inputs(0, B=B, Hq=H, Hkv=H, L=L, S=S, E=32, dtype=torch.float16)
+    bm = create_block_mask(noop_mask, None, None, L, S, device=DEVICE, BLOCK_SIZE=64)
+    options = {"FORCE_DECODE": True, "SPLIT_KV": 3, **MERGES[merge]}
+    request = flexattn.AuxRequest(lse=True) if aux else None
+
+    def step(q, k, v):
+        return flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options=options, return_aux=request)
+
+    result, codes = run_and_get_code(torch.compile(step, backend="inductor", fullgraph=True), q, k, v)
+    code = "\n".join(codes)
+    assert DECODE_MARK in code, "the decode kernel did not run"
+    stats = re.findall(rf"empty_strided_\w+\(\({B}, {H}, {L}\), \(", code)
+    assert len(stats) == (1 if aux else 0), f"{len(stats)} (B, H, L) allocations"
+    out, aux_out = result if aux else (result, None)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    assert (out.float() - scores.softmax(-1) @ v.float()).abs().max() < 2e-3
+    if aux:
+        assert (aux_out.lse - scores.logsumexp(-1)).abs().max() < 2e-3
+
+
 @pytest.mark.parametrize("split,chunk", [(1, None), (3, None), (7, None), (1, 2), (3, 2)])
 def test_scattered_block_lists(split, chunk):
     """BlockMask lists in no particular order, with blocks left out, walked in steps of a

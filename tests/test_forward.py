@@ -15,11 +15,13 @@ interpreter is wrong for bfloat16), larger on CUDA (plus bfloat16).
 from __future__ import annotations
 
 import os
+import re
 import zlib
 
 import pytest
 import torch
 
+import flexattn
 import flexattn.lowering
 from flexattn import mods
 from flexattn._hop import flex_attention_hop
@@ -287,6 +289,39 @@ def test_tma_loads_at_the_edges(use_tma, L, S, E, Ev, Hq, Hkv):
     run_case(dtype=torch.float16, L=L * n, S=S * n, E=E, Ev=Ev, Hq=Hq, Hkv=Hkv, block_size=64,
              score_mod=mods.alibi(Hq, device=DEVICE), mask_mod=mods.causal_mask,
              options={"USE_TMA": use_tma})
+
+
+@pytest.mark.triton_kernels
+@pytest.mark.parametrize("grad,aux,allocated", [
+    (False, None, 0), (True, None, 1), (False, "lse", 1), (False, "max_scores", 1), (True, "max_scores", 2),
+], ids=["no-grad", "grad", "lse", "max", "grad-max"])
+def test_a_call_allocates_only_the_row_statistics_it_writes(grad, aux, allocated):
+    """The forward allocates its (B, H, L) log-sum-exp and row maxima only where the call
+    writes them (the lse for a backward or a caller, the maxima for a caller): an
+    allocation is host time a call, which short calls feel. The results stay right."""
+    from torch._inductor.utils import run_and_get_code
+
+    B, H, n = 1, 2, 48
+    q, k, v = (harness.randn(harness.generator(i), B, H, n, 16, dtype=torch.float16, requires_grad=grad)
+               for i in range(3))
+    bm = create_block_mask(mods.causal_mask, None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
+    request = flexattn.AuxRequest(**{aux: True}) if aux else None
+
+    def call(q, k, v):
+        return flexattn.flex_attention(q, k, v, block_mask=bm, return_aux=request)
+
+    result, codes = run_and_get_code(torch.compile(call, backend="inductor", fullgraph=True), q, k, v)
+    forward = next(c for c in codes if "flexattn_forward" in c or "IS_FULL_BLOCKS" in c)
+    stats = re.findall(rf"empty_strided_\w+\(\({B}, {H}, {n}\), \(", forward)
+    assert len(stats) == allocated, f"{len(stats)} (B, H, L) allocations, expected {allocated}"
+    out, aux_out = result if aux else (result, None)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.detach().float() for t in (q, k, v)), is_causal=True)
+    assert (out.float() - expected).abs().max() < 2e-3
+    if aux == "lse":
+        scores = (q.detach().float() @ k.detach().float().transpose(-1, -2)) / 4.0
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril(), float("-inf"))
+        assert (aux_out.lse - scores.logsumexp(-1)).abs().max() < 2e-3
 
 
 # Each scale with each way the loop may hold its scores (interpreter budget: 4 of the 8).

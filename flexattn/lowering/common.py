@@ -153,13 +153,14 @@ def dense_buffer(sizes, device, dtype):
     return realize_fixed(empty_strided(sizes, None, dtype=dtype, device=device))
 
 
-def signature_filler(device):
+def signature_filler(device, dims: int = 1, dtype: torch.dtype = torch.int32):
     """A stand-in for a kernel argument the kernel never reads: a one-element constant of
-    the compiled graph, made when its module loads, so a call allocates nothing for it.
+    the compiled graph (``dims`` dimensions of size 1, for a template that reads the
+    argument's strides), made when its module loads, so a call allocates nothing for it.
     One element gives each its own storage (Inductor merges constants that share one, and
     a template's parameters cannot share a buffer)."""
     with torch.utils._python_dispatch._disable_current_modes():
-        data = torch.zeros(1, dtype=torch.int32, device=device)
+        data = torch.zeros([1] * dims, dtype=dtype, device=device)
     return V.graph.add_tensor_constant(data, "flexattn_unused")
 
 
@@ -287,18 +288,42 @@ def prepare_call(query, key, value, score_graph, block_mask, kernel_options, sco
     )
 
 
-def forward_outputs(query) -> tuple:
-    """The (B, Hq, L) lse and row-max buffers a forward kernel writes in place."""
+@dataclass(frozen=True)
+class ForwardStats:
+    """A forward call's (B, Hq, L) log-sum-exp and row-max outputs (``lse``, ``row_max``,
+    what the lowering returns) and the kernel's arguments for them (``kernel_lse``,
+    ``kernel_row_max``): the output buffer where OUTPUT_LOGSUMEXP / OUTPUT_MAX asks the
+    kernel to write it, else a filler. An output the kernel does not write is left to
+    Inductor, which allocates it only if the graph reads it (a call without grad reads
+    neither, so it allocates neither)."""
+
+    lse: Any
+    row_max: Any
+    kernel_lse: Any
+    kernel_row_max: Any
+
+    @property
+    def written(self) -> list:
+        """The buffers the kernel writes in place (the template's mutated inputs)."""
+        return [b for b, arg in ((self.lse, self.kernel_lse), (self.row_max, self.kernel_row_max)) if b is arg]
+
+
+def forward_outputs(query, spec: dict[str, Any]) -> ForwardStats:
+    """The lse and row-max of a forward call whose constexprs are ``spec``."""
     B, Hq, L, _ = query.get_size()
-    dtype = stats_dtype(query.get_dtype())
-    return dense_buffer([B, Hq, L], query.get_device(), dtype), dense_buffer([B, Hq, L], query.get_device(), dtype)
+    device, dtype = query.get_device(), stats_dtype(query.get_dtype())
+    lse, row_max = (dense_buffer([B, Hq, L], device, dtype) for _ in range(2))
+    return ForwardStats(lse, row_max,
+                        lse if spec["OUTPUT_LOGSUMEXP"] else signature_filler(device, 3, dtype),
+                        row_max if spec["OUTPUT_MAX"] else signature_filler(device, 3, dtype))
 
 
-def forward_kernel_inputs(call: PreparedCall, lse, row_max, sinks, dropout_seed) -> dict[str, Any]:
+def forward_kernel_inputs(call: PreparedCall, stats: ForwardStats, sinks, dropout_seed) -> dict[str, Any]:
     """A forward kernel's inputs by name, in the order of forward.py.jinja's def_kernel
     (gluon_forward.py.jinja's too)."""
     tables = call.tables
-    return {"query": call.query, "key": call.key, "value": call.value, "lse": lse, "row_max": row_max,
+    return {"query": call.query, "key": call.key, "value": call.value, "lse": stats.kernel_lse,
+            "row_max": stats.kernel_row_max,
             "kv_num_blocks": tables.kv_num_blocks, "kv_indices": tables.kv_indices,
             "full_kv_num_blocks": tables.full_kv_num_blocks, "full_kv_indices": tables.full_kv_indices,
             "sinks": sinks_for_kernel(sinks, call.query),
@@ -306,7 +331,7 @@ def forward_kernel_inputs(call: PreparedCall, lse, row_max, sinks, dropout_seed)
 
 
 def select_forward(template, template_name: str, usable, what: str, constexprs_of, call: PreparedCall,
-                   inputs: dict[str, Any], layout, lse, row_max) -> tuple:
+                   inputs: dict[str, Any], layout, stats: ForwardStats) -> tuple:
     """A forward template's choices (one per usable configuration, ``constexprs_of(cfg)``
     their constexprs) handed to Inductor's autotuner: (the chosen output node, the map
     from choices to configurations that ``report_choice`` reads)."""
@@ -316,7 +341,7 @@ def select_forward(template, template_name: str, usable, what: str, constexprs_o
         input_nodes=input_nodes,
         layout=layout,
         subgraphs=[call.score_buffer, call.mask_buffer],
-        mutated_inputs=[lse, row_max],
+        mutated_inputs=stats.written,
         call_sizes=call.query.get_size(),
     )
     out = _compat.autotune_select_node(

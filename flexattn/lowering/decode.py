@@ -124,6 +124,7 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
         return common.dense_buffer(size, device, work_dtype)
 
     workspace = None
+    stats = None
     if not plan.fused_merge:
         # The template's output is the partial acc; the merge pass makes out, lse and max.
         layout = ir.FixedLayout(device, work_dtype, [*part_size, v_dim],
@@ -131,7 +132,8 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
         buffers = {"m_part": scratch(part_size), "l_part": scratch(part_size)}
     else:
         layout = common.output_layout(query, v_dim)
-        buffers = {"lse": scratch([B, Hq, L]), "row_max": scratch([B, Hq, L])}
+        stats = common.forward_outputs(query, spec)
+        buffers = {"lse": stats.kernel_lse, "row_max": stats.kernel_row_max}
         if split_kv > 1:
             buffers = {"acc_part": scratch([*part_size, v_dim]), "m_part": scratch(part_size),
                        "l_part": scratch(part_size), **buffers}
@@ -166,7 +168,8 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
         input_nodes=input_nodes,
         layout=layout,
         subgraphs=[call.score_buffer, call.mask_buffer],
-        mutated_inputs=list(buffers.values()),
+        mutated_inputs=[b for name, b in buffers.items() if name not in ("lse", "row_max")]
+        + (stats.written if stats else []),
         call_sizes=[B, sympy.Integer(plan.head_tiles), L],
         workspace_arg=workspace,
     )
@@ -176,7 +179,7 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
                                                                                  call.has_full_blocks))
 
     if plan.fused_merge:
-        out, lse, row_max = result, ir.TensorBox(buffers["lse"]), ir.TensorBox(buffers["row_max"])
+        out, lse, row_max = result, ir.TensorBox(stats.lse), ir.TensorBox(stats.row_max)
     else:
         out, lse, row_max = _merge(result, buffers["m_part"], buffers["l_part"], sinks, query, spec, plan)
     common.report_choice(
@@ -191,18 +194,16 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
 def _merge(acc, m_part, l_part, sinks, query, spec: dict[str, Any], plan: DecodePlan):
     """The second pass: partial results -> out (query's layout), lse, max."""
     B, Hq, L, _ = query.get_size()
-    device = query.get_device()
     acc = common.realize_fixed(acc)
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
-    lse = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
-    row_max = common.dense_buffer([B, Hq, L], device, stats_dtype(query.get_dtype()))
-    input_nodes = [acc, m_part, l_part, lse, row_max, sinks]
+    stats = common.forward_outputs(query, spec)
+    input_nodes = [acc, m_part, l_part, stats.kernel_lse, stats.kernel_row_max, sinks]
     choices: list[Any] = []
     error = merge_template.maybe_append_choice(
         choices,
         input_nodes=input_nodes,
         layout=layout,
-        mutated_inputs=[lse, row_max],
+        mutated_inputs=stats.written,
         call_sizes=[B, Hq, L],
         num_stages=1,
         num_warps=4,
@@ -219,4 +220,4 @@ def _merge(acc, m_part, l_part, sinks, query, spec: dict[str, Any], plan: Decode
     if error is not None or not choices:
         raise RuntimeError(f"flexattn: the decode merge template could not be generated: {error}")
     out = _compat.autotune_select_node(MERGE_TEMPLATE_NAME, choices, input_nodes, layout)
-    return out, ir.TensorBox(lse), ir.TensorBox(row_max)
+    return out, ir.TensorBox(stats.lse), ir.TensorBox(stats.row_max)

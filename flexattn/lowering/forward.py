@@ -66,8 +66,8 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
     spec["HAS_SINKS"] = sinks is not None
     spec.update(common.dropout_specialisations(kernel_options))
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
-    # The kernel writes lse and row_max in place: the template's extra outputs.
-    lse, row_max = common.forward_outputs(query)
+    # The kernel writes lse and row_max in place where asked: the template's extra outputs.
+    stats = common.forward_outputs(query, spec)
 
     candidates = forward_configs.candidate_configs(
         device, spec["QK_HEAD_DIM_PAD"], dtype, bool(inductor_config.max_autotune), kernel_options,
@@ -82,15 +82,15 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
                         + gathered_tile_bytes(call.mask_graph.graph_module, len(MASK_MOD_ARGS))),
     )
 
-    inputs = common.forward_kernel_inputs(call, lse, row_max, sinks, dropout_seed)
+    inputs = common.forward_kernel_inputs(call, stats, sinks, dropout_seed)
     out, config_of_choice = common.select_forward(
         forward_template, TEMPLATE_NAME, usable, "forward",
         lambda cfg: {**spec,
                      "IS_DIVISIBLE_M": common.divisible(query.get_size()[2], cfg.block_m),
                      "IS_DIVISIBLE_N": common.divisible(key.get_size()[2], call.sparse_kv),
                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "ONE_KV_LOOP": cfg.one_kv_loop},
-        call, inputs, layout, lse, row_max)
+        call, inputs, layout, stats)
 
     common.report_choice("forward", out, config_of_choice, usable, spec, common.REPORTED_SPECIALISATIONS,
                          query, key, value, kernel_options, started=started)
-    return out, ir.TensorBox(lse), ir.TensorBox(row_max)
+    return out, ir.TensorBox(stats.lse), ir.TensorBox(stats.row_max)

@@ -82,8 +82,8 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
                                              bool(inductor_config.max_autotune), call.sparse_kv,
                                              unmodified=spec["DENSE_KV"] and not spec["HAS_SCORE_MOD"])
     layout = common.output_layout(query, spec["V_HEAD_DIM"])
-    lse, row_max = common.forward_outputs(query)
-    inputs = common.forward_kernel_inputs(call, lse, row_max, sinks, None)
+    stats = common.forward_outputs(query, spec)
+    inputs = common.forward_kernel_inputs(call, stats, sinks, None)
     out, config_of_choice = common.select_forward(
         gluon_forward_template, TEMPLATE_NAME, usable, "Gluon forward",
         lambda c: {**spec,
@@ -91,8 +91,8 @@ def lower_gluon_forward(query, key, value, score_mod, block_mask, scale, kernel_
                    "IS_DIVISIBLE_N": common.divisible(key.get_size()[2], call.sparse_kv),
                    "PAIRED_Q_TILES": paired_q_tiles(B, H, L, c.block_m, spec),
                    **c.constexprs()},
-        call, inputs, layout, lse, row_max)
+        call, inputs, layout, stats)
 
     common.report_choice("forward (Gluon)", out, config_of_choice, usable, spec, common.REPORTED_SPECIALISATIONS,
                          query, key, value, kernel_options, started=started)
-    return out, ir.TensorBox(lse), ir.TensorBox(row_max)
+    return out, ir.TensorBox(stats.lse), ir.TensorBox(stats.row_max)
