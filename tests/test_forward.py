@@ -20,6 +20,7 @@ import zlib
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import flexattn
 import flexattn.lowering
@@ -299,8 +300,6 @@ def test_a_call_allocates_only_the_row_statistics_it_writes(grad, aux, allocated
     """The forward allocates its (B, H, L) log-sum-exp and row maxima only where the call
     writes them (the lse for a backward or a caller, the maxima for a caller): an
     allocation is host time a call, which short calls feel. The results stay right."""
-    from torch._inductor.utils import run_and_get_code
-
     B, H, n = 1, 2, 48
     q, k, v = (harness.randn(harness.generator(i), B, H, n, 16, dtype=torch.float16, requires_grad=grad)
                for i in range(3))

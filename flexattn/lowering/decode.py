@@ -125,21 +125,24 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
 
     workspace = None
     stats = None
+    # parts: the kernel's scratch outputs (all written); with FUSED_MERGE, lse and max follow.
     if not plan.fused_merge:
         # The template's output is the partial acc; the merge pass makes out, lse and max.
         layout = ir.FixedLayout(device, work_dtype, [*part_size, v_dim],
                                 ir.FlexibleLayout.contiguous_strides([*part_size, v_dim]))
-        buffers = {"m_part": scratch(part_size), "l_part": scratch(part_size)}
+        parts = {"m_part": scratch(part_size), "l_part": scratch(part_size)}
+        buffers = parts
     else:
         layout = common.output_layout(query, v_dim)
         stats = common.forward_outputs(query, spec)
-        buffers = {"lse": stats.kernel_lse, "row_max": stats.kernel_row_max}
+        parts = {}
         if split_kv > 1:
-            buffers = {"acc_part": scratch([*part_size, v_dim]), "m_part": scratch(part_size),
-                       "l_part": scratch(part_size), **buffers}
+            parts = {"acc_part": scratch([*part_size, v_dim]), "m_part": scratch(part_size),
+                     "l_part": scratch(part_size)}
             tiles = B * plan.head_tiles * FloorDiv(L + pack.block_q - 1, pack.block_q)
             workspace = _compat.graph_zeroed_workspace(
                 tiles, device, f"{COUNTERS_WORKSPACE}_{device.type}_{device.index or 0}", COUNTERS_ARG, torch.int32)
+        buffers = {**parts, "lse": stats.kernel_lse, "row_max": stats.kernel_row_max}
 
     # The order of decode.py.jinja's def_kernel; DENSE_KV takes no tables.
     tables = call.tables
@@ -168,8 +171,7 @@ def lower_decode(query, key, value, score_mod, block_mask, scale, kernel_options
         input_nodes=input_nodes,
         layout=layout,
         subgraphs=[call.score_buffer, call.mask_buffer],
-        mutated_inputs=[b for name, b in buffers.items() if name not in ("lse", "row_max")]
-        + (stats.written if stats else []),
+        mutated_inputs=[*parts.values(), *(stats.written if stats else ())],
         call_sizes=[B, sympy.Integer(plan.head_tiles), L],
         workspace_arg=workspace,
     )
