@@ -323,6 +323,37 @@ def test_a_call_allocates_only_the_row_statistics_it_writes(grad, aux, allocated
         assert (aux_out.lse - scores.logsumexp(-1)).abs().max() < 2e-3
 
 
+@pytest.mark.triton_kernels
+@pytest.mark.parametrize("grad,score", [(False, "softcap"), (True, "softcap"), (True, "alibi")])
+def test_the_tile_choice_sees_what_the_call_writes_and_what_its_score_mod_reads(monkeypatch, grad, score):
+    """The forward's default tile depends on whether the kernel writes the log-sum-exp
+    (inputs requiring grad) and whether the score_mod reads positions (ALiBi does, a
+    soft-cap of the score does not): the lowering passes both to the tile table."""
+    from flexattn.lowering import forward as forward_lowering
+
+    seen = []
+    choose = forward_lowering.forward_configs.candidate_configs
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(forward_lowering.forward_configs, "candidate_configs", recording)
+    B, H, n = 1, 2, 48
+    q, k, v = (harness.randn(harness.generator(i), B, H, n, 16, dtype=torch.float16, requires_grad=grad)
+               for i in range(3))
+    docs = (torch.arange(n, device=DEVICE) >= 20).to(torch.int32)
+    bm = create_block_mask(mods.document_mask(docs), None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
+    score_mod = mods.alibi(H, device=DEVICE) if score == "alibi" else mods.tanh_softcap(20.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
+                             backend="inductor", fullgraph=True)
+    compiled(q, k, v)
+    assert seen, "the forward lowering chose no tile"
+    assert seen[0]["mask_reads_memory"] and seen[0]["writes_lse"] == grad
+    assert seen[0]["score_reads_positions"] == (score == "alibi")
+
+
 # Each scale with each way the loop may hold its scores (interpreter budget: 4 of the 8).
 @pytest.mark.parametrize("scale,options,with_score_mod", [
     (0.0, {}, False), (-0.3, {}, False), (-0.3, {"PRESCALE_QK": True}, False), (0.0, {"PRESCALE_QK": True}, True),

@@ -170,6 +170,7 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
     assert sources, "no Gluon backward kernel was rendered"
     late_dp = c.get("score") is not None and E == 128
     assert all(f"LATE_DP : tl.constexpr = {late_dp}" in open(s).read() for s in sources)
+    assert all(f"EARLY_DQ : tl.constexpr = {E == 64}" in open(s).read() for s in sources)
     for report in compile_offline_for_sm90(sources):
         assert report["setmaxnreg"], "the partitions' register budgets were not applied"
         assert report["num_warps"] == 12  # two consumer warpgroups and the producer's
@@ -181,22 +182,41 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
 # consumers' shared dS^T tile
 # --------------------------------------------------------------------------------------
 #: The mbarrier operations of the producer (load_tiles) and a consumer (consume_keys) in
-#: source order, as (operation, barrier, index expression); the model below follows them.
+#: source order, as (operation, barrier, index expression), by EARLY_DQ (dQ issued beside dV
+#: and dK: the Q/dO stage released after the ds_ready wait); the model below follows them.
 PRODUCER_OPS = [("expect", "kv_ready", None), ("wait", "tile_free", "stage"), ("expect", "q_ready", "stage"),
                 ("expect", "do_ready", "stage")]
-CONSUMER_OPS = [("wait", "kv_ready", None), ("wait", "q_ready", "stage"), ("wait", "do_ready", "stage"),
-                ("wait", "ds_free", None), ("arrive", "ds_ready", None), ("arrive", "tile_free", "stage"),
-                ("wait", "ds_ready", None), ("arrive", "ds_free", None)]
+_TILE_START = [("wait", "kv_ready", None), ("wait", "q_ready", "stage"), ("wait", "do_ready", "stage"),
+               ("wait", "ds_free", None), ("arrive", "ds_ready", None)]
+CONSUMER_OPS = {
+    False: _TILE_START + [("arrive", "tile_free", "stage"), ("wait", "ds_ready", None), ("arrive", "ds_free", None)],
+    True: _TILE_START + [("wait", "ds_ready", None), ("arrive", "tile_free", "stage"), ("arrive", "ds_free", None)],
+}
 COUNTS = {"kv_ready": 1, "q_ready": 1, "do_ready": 1, "tile_free": 2, "ds_ready": 2, "ds_free": 2}
 
 
-def _template_ops(function: str) -> list[tuple]:
+def _template_ops(function: str, early_dq: bool = False) -> list[tuple]:
+    """The function's mbarrier operations with its ``if EARLY_DQ:`` / ``if not EARLY_DQ:``
+    blocks resolved for ``early_dq``."""
     body = gluon_kernel_source("gluon_backward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
+    kept, skipping_above = [], None
+    for line in body.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if skipping_above is not None:
+            if not line.strip() or indent > skipping_above:
+                continue
+            skipping_above = None
+        branch = re.fullmatch(r"if (not )?EARLY_DQ:", line.strip())
+        if branch:
+            if bool(branch.group(1)) == early_dq:
+                skipping_above = indent
+            continue
+        kept.append(line)
     return [(op, bar, index or None) for op, bar, index in
-            re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", body)]
+            re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", "\n".join(kept))]
 
 
-def _programs(tiles_per_head: list[int], stages: int) -> list[list[tuple]]:
+def _programs(tiles_per_head: list[int], stages: int, early_dq: bool = False) -> list[list[tuple]]:
     """The producer's and both consumers' operations for one program whose group's query
     heads list ``tiles_per_head`` query tiles; the ring's and the dS^T tile's counts run on
     across heads."""
@@ -210,23 +230,26 @@ def _programs(tiles_per_head: list[int], stages: int) -> list[list[tuple]]:
     consumer = [("wait", ("kv_ready", 0), 0)]
     for j in range(total):
         stage, lap = j % stages, j // stages
+        free_stage, ds_wait = ("arrive", ("tile_free", stage), None), ("wait", ("ds_ready", 0), j)
         consumer += [("wait", ("q_ready", stage), lap), ("wait", ("do_ready", stage), lap),
                      # dS^T rewritten once both warpgroups' dQ products of the last tile read it.
                      ("wait", ("ds_free", 0), j - 1), ("arrive", ("ds_ready", 0), None),
-                     ("arrive", ("tile_free", stage), None),
-                     ("wait", ("ds_ready", 0), j), ("arrive", ("ds_free", 0), None)]
+                     *((ds_wait, free_stage) if early_dq else (free_stage, ds_wait)),
+                     ("arrive", ("ds_free", 0), None)]
     return [producer, consumer, list(consumer)]
 
 
-def test_the_model_has_the_templates_barrier_operations():
+@pytest.mark.parametrize("early_dq", [False, True])
+def test_the_model_has_the_templates_barrier_operations(early_dq):
     assert _template_ops("load_tiles") == PRODUCER_OPS
-    assert _template_ops("consume_keys") == CONSUMER_OPS
+    assert _template_ops("consume_keys", early_dq) == CONSUMER_OPS[early_dq]
 
 
 @pytest.mark.parametrize("tiles_per_head", [[0], [1], [3], [2, 0, 3], [1, 1, 1, 1]], ids=str)
 @pytest.mark.parametrize("stages", [2, 3])
-def test_no_interleaving_of_the_backward_partitions_hangs(tiles_per_head, stages):
-    assert explore(_programs(tiles_per_head, stages), COUNTS) == []
+@pytest.mark.parametrize("early_dq", [False, True])
+def test_no_interleaving_of_the_backward_partitions_hangs(tiles_per_head, stages, early_dq):
+    assert explore(_programs(tiles_per_head, stages, early_dq), COUNTS) == []
 
 
 def test_the_model_finds_a_ds_ready_wait_on_the_wrong_parity():

@@ -377,13 +377,25 @@ def test_one_kv_loop_choice(monkeypatch):
     assert cfgs.candidate_configs(dev, 64, torch.bfloat16, False, {}, mask_reads_memory=True,
                                   partial_heavy=True)[0] == cfgs.ForwardConfig(64, 64, 4, 2, one_kv_loop=True)
     # A small call (B=2 H=8 S=4096 D=128, 2**35 of work) with such a mask: 64x64, one loop,
-    # partial-heavy or not; at 2**36, or with a symbolic size (work None), the tiles above;
-    # arithmetic masks and float32 keep their tables.
+    # three stages, two on a partial-heavy BlockMask, and there two loops where the call
+    # writes the log-sum-exp under a score_mod that reads no positions; at 2**36, or with a
+    # symbolic size (work None), the tiles above; arithmetic masks and float32 keep their tables.
     small, bound = 2 * 8 * 4096 * 4096 * 128, cfgs.SMALL_CALL_WORK
     assert small == bound // 2
-    for heavy in (False, True):
+    one_loop_s3, one_loop, two_loops = (cfgs.ForwardConfig(64, 64, 4, 3, one_kv_loop=True),
+                                        cfgs.ForwardConfig(64, 64, 4, 2, one_kv_loop=True),
+                                        cfgs.ForwardConfig(64, 64, 4, 2))
+    expected = {  # (partial_heavy, writes_lse, score_reads_positions): tile
+        (False, False, False): one_loop_s3, (False, True, False): one_loop_s3, (False, True, True): one_loop_s3,
+        (True, False, False): one_loop, (True, False, True): one_loop, (True, True, True): one_loop,
+        (True, True, False): two_loops,
+    }
+    for (heavy, lse, positions), tile in expected.items():
         assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True, partial_heavy=heavy,
-                                      work=small)[0] == cfgs.ForwardConfig(64, 64, 4, 2, one_kv_loop=True)
+                                      work=small, writes_lse=lse, score_reads_positions=positions)[0] == tile
+    # The log-sum-exp changes nothing outside the small partial-heavy tile.
+    assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True, partial_heavy=True,
+                                  work=bound, writes_lse=True)[0] == cfgs.ForwardConfig(128, 128, 8, 2)
     for work in (bound, None):
         assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True, partial_heavy=True,
                                       work=work)[0] == cfgs.ForwardConfig(128, 128, 8, 2)
@@ -393,7 +405,7 @@ def test_one_kv_loop_choice(monkeypatch):
     assert cfgs.candidate_configs(dev, 128, torch.float32, False, {}, mask_reads_memory=True,
                                   work=small)[0] == cfgs.ForwardConfig(32, 64, 4, 3)
     assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {"BLOCK_M": 128}, mask_reads_memory=True,
-                                  work=small)[0] == cfgs.ForwardConfig(128, 64, 4, 2, one_kv_loop=True)
+                                  work=small)[0] == cfgs.ForwardConfig(128, 64, 4, 3, one_kv_loop=True)
     # float64 takes the float32 tiles (no tensor cores; its probability tile is staged
     # in shared memory, which the estimate counts).
     assert cfgs.default_config(dev, 64, torch.float64) == cfgs.default_config(dev, 64, torch.float32)

@@ -39,6 +39,9 @@ _DQ_END = r"buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)"
 _DQ_WORK = re.compile(r"\n            dq = warpgroup_mma\(ds_smem.*?" + _DQ_END + r"\n", re.S)
 _ADD = re.compile(r"\n +tma_atomic_add\(dq_desc,[^\n]*\n[^\n]*" + _DQ_END)
 _DQ_KEEP = """
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            if EARLY_DQ:
+                mbarrier.arrive(tile_free.index(stage))
             mbarrier.arrive(ds_free)
 """
 

@@ -89,11 +89,19 @@ PARTIAL_HEAVY_MEMORY_MASK_TABLES = {"sm90": SM90_PARTIAL_HEAVY_MEMORY_MASK}
 # The same for a small call (below SMALL_CALL_WORK, where sm90 takes the Triton template):
 # its few programs each walk a short row, and 64-row tiles with one loop double the
 # programs and drop the two-loop tile's spills; this wins over both tiles above on
-# documents, prefix-LM and table-driven neighbourhoods (bench/DECISIONS.md#forward-small-call-memory-mask).
+# documents and prefix-LM, a third stage by 1-10% more (bench/DECISIONS.md#forward-small-call-memory-mask).
 SM90_SMALL_CALL_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
-    (128, "16bit"): ForwardConfig(64, 64, 4, 2, one_kv_loop=True),
+    (128, "16bit"): ForwardConfig(64, 64, 4, 3, one_kv_loop=True),
 }
 SMALL_CALL_MEMORY_MASK_TABLES = {"sm90": SM90_SMALL_CALL_MEMORY_MASK}
+# The same on a partial-heavy BlockMask (table-driven neighbourhoods, text-to-image spans):
+# two stages (a third fell off a cliff under ALiBi there), and two loops where the call writes
+# the log-sum-exp and its score_mod reads no positions: the one-loop kernel then loses its
+# register allocation (bench/DECISIONS.md#forward-small-call-partial-heavy).
+SM90_SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
+    (128, "16bit"): ForwardConfig(64, 64, 4, 2, one_kv_loop=True),
+}
+SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES = {"sm90": SM90_SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK}
 #: batch x heads x queries x keys x QK head dim below which a call is small for the tables
 #: above: the forward's small-call bound (``configs.tma``), the calls these tiles were measured on.
 SMALL_CALL_WORK = TMA_MIN_FORWARD_WORK
@@ -121,17 +129,24 @@ SMEM_STEPS = (("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n",
 
 def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype,
                    mask_reads_memory: bool = False, partial_heavy: bool = False,
-                   work: int | None = None) -> ForwardConfig:
+                   work: int | None = None, writes_lse: bool = False,
+                   score_reads_positions: bool = False) -> ForwardConfig:
     """The call's default tile; ``mask_reads_memory``: the mask_mod reads captured tensors;
     ``partial_heavy``: the BlockMask lists mostly partial blocks; ``work``: batch x heads x
-    queries x keys x QK head dim (None where a size is symbolic)."""
+    queries x keys x QK head dim (None where a size is symbolic); ``writes_lse``: the kernel
+    writes the log-sum-exp; ``score_reads_positions``: the score_mod reads q_idx or kv_idx."""
     config = generation_table(TABLES, device, padded_head_dim, dtype)
     if not mask_reads_memory:
         return config
-    small = (work is not None and work < SMALL_CALL_WORK
-             and table_entry(SMALL_CALL_MEMORY_MASK_TABLES, device, padded_head_dim, dtype))
+    if work is not None and work < SMALL_CALL_WORK:
+        tables = SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES if partial_heavy else SMALL_CALL_MEMORY_MASK_TABLES
+        small = table_entry(tables, device, padded_head_dim, dtype)
+        if small and partial_heavy and writes_lse and not score_reads_positions:
+            return dataclasses.replace(small, one_kv_loop=False)
+        if small:
+            return small
     heavy = partial_heavy and table_entry(PARTIAL_HEAVY_MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
-    return (small or heavy or table_entry(MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
+    return (heavy or table_entry(MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
             or dataclasses.replace(config, one_kv_loop=False))
 
 
@@ -152,18 +167,22 @@ def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, 
 
 def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.dtype, max_autotune: bool,
                       kernel_options: dict[str, Any], mask_reads_memory: bool = False,
-                      partial_heavy: bool = False, work: int | None = None) -> list[ForwardConfig]:
+                      partial_heavy: bool = False, work: int | None = None, writes_lse: bool = False,
+                      score_reads_positions: bool = False) -> list[ForwardConfig]:
     """Default (+ autotune candidates), with pinned fields applied, deduplicated.
 
-    A mask_mod that reads captured tensors takes ``SMALL_CALL_MEMORY_MASK_TABLES``' tile in a
-    call of less ``work`` than ``SMALL_CALL_WORK``, else ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``'
-    when the BlockMask lists mostly partial blocks, else ``MEMORY_MASK_TABLES``' where they have
-    one; otherwise it keeps one loop per block group unless ONE_KV_LOOP is pinned: behind
+    A mask_mod that reads captured tensors takes ``SMALL_CALL_MEMORY_MASK_TABLES``' tile
+    (``SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the BlockMask lists mostly partial
+    blocks, with two loops under ``writes_lse`` unless ``score_reads_positions``) in a call of
+    less ``work`` than ``SMALL_CALL_WORK``, else ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the
+    BlockMask lists mostly partial blocks, else ``MEMORY_MASK_TABLES``' where they have one;
+    otherwise it keeps one loop per block group unless ONE_KV_LOOP is pinned: behind
     the one loop's branch its loads are not software-pipelined
     (bench/DECISIONS.md#forward-mask-reads-memory). The autotune candidates are all
     two-loop tiles.
     """
-    configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory, partial_heavy, work)]
+    configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory, partial_heavy, work,
+                              writes_lse, score_reads_positions)]
     if max_autotune:
         configs += list(AUTOTUNE_CANDIDATES)
     return with_pinned(configs, ForwardConfig.pinned_fields(kernel_options))

@@ -32,18 +32,22 @@ class GluonBackwardConfig(TileConfig):
     #: beside S^T: its accumulator then holds no registers while score_mod and mask_mod run
     #: (``late_dp_default``).
     late_dp: bool = False
+    #: Put the tile's dQ product in flight beside dV and dK (dS^T stored to shared memory
+    #: first) instead of after them (bench/DECISIONS.md#gluon-backward-early-dq).
+    early_dq: bool = False
 
     OPTION_NAMES: ClassVar[dict[str, str]] = {}
     OPTION_PREFIX: ClassVar[str] = "bwd_"
 
     def constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_STAGES": self.num_stages,
-                "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs, "LATE_DP": self.late_dp}
+                "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs, "LATE_DP": self.late_dp,
+                "EARLY_DQ": self.early_dq}
 
 
 #: By head dim (sm90, 16-bit inputs).
 SM90: dict[int, GluonBackwardConfig] = {
-    64: GluonBackwardConfig(64, 128, 2),
+    64: GluonBackwardConfig(64, 128, 2, early_dq=True),
     128: GluonBackwardConfig(64, 128, 2),
 }
 
