@@ -1,0 +1,91 @@
+"""Does a Gluon backward variant spill on sm90, and is it the Triton release or ptxas? (issue #50)
+
+    TRITON_INTERPRET=1 PYTHONPATH=. python bench/experiments/gluon_backward_spills.py [PYTHON ...] \
+        [--other-ptxas PATH] [--dims 64,128]
+
+No GPU needed. Renders the Gluon backward of a causal call (B=2 H=4 L=256, fp16, no
+score_mod) through flexattn's lowering on the CPU with EARLY_DQ forced off and on
+(`GluonBackwardConfig.early_dq`), then compiles each rendered module for sm90 under each
+PYTHON given (each with its own Triton: e.g. this one and a venv holding the GPU machine's
+Triton 3.6) and prints ptxas's spill bytes (stores and loads) and registers; ``--other-ptxas``
+also runs that ptxas on the same PTX (to tell the Triton release's code generation from its ptxas).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, "tests")
+import flexattn  # noqa: E402
+from flexattn import _compat, mods  # noqa: E402
+from flexattn.lowering.configs import gluon_backward as configs  # noqa: E402
+
+_compat.enable_triton_interpreter()
+_compat.use_interpreter_libdevice()
+from _gluon_offline import compile_offline_for_sm90, rendered_gluon_sources  # noqa: E402
+
+
+
+class _Patches:
+    """The two monkeypatch methods ``rendered_gluon_sources`` uses, undone by ``undo``."""
+
+    def __init__(self):
+        self._undo = []
+
+    def setenv(self, name, value):
+        self._undo.append(lambda old=os.environ.get(name): os.environ.__setitem__(name, old) if old is not None
+                          else os.environ.pop(name, None))
+        os.environ[name] = value
+
+    def setattr(self, obj, name, value):
+        self._undo.append(lambda old=getattr(obj, name): setattr(obj, name, old))
+        setattr(obj, name, value)
+
+    def undo(self):
+        while self._undo:
+            self._undo.pop()()
+
+
+def rendered(head_dim: int, early_dq: bool) -> list[str]:
+    patches = _Patches()
+    patches.setattr(configs, "SM90", {**configs.SM90, head_dim: dataclasses.replace(configs.SM90[head_dim],
+                                                                                    early_dq=early_dq)})
+    B, H, L = 2, 4, 256
+    q, k, v = (torch.randn(B, H, L, head_dim, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    block_mask = flexattn.create_block_mask(mods.causal_mask, B, None, L, L, device="cpu")
+
+    def run():
+        torch.compile(flexattn.flex_attention)(q, k, v, block_mask=block_mask).sum().backward()
+
+    try:
+        sources = rendered_gluon_sources(patches, pathlib.Path(tempfile.mkdtemp()), run, kernel="backward")
+    finally:
+        patches.undo()
+    sources = [s for s in sources if "def consume_keys(" in open(s).read()]
+    assert sources and all(f"EARLY_DQ : tl.constexpr = {early_dq}" in open(s).read() for s in sources)
+    return sources[:1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("pythons", nargs="*", default=[sys.executable])
+    parser.add_argument("--other-ptxas", default="")
+    parser.add_argument("--dims", default="64,128")
+    args = parser.parse_args()
+    for head_dim in map(int, args.dims.split(",")):
+        for early_dq in (False, True):
+            paths = rendered(head_dim, early_dq)
+            for python in args.pythons:
+                for report in compile_offline_for_sm90(paths, python, args.other_ptxas):
+                    print(f"D={head_dim} EARLY_DQ={early_dq} triton {report['triton']}: spill bytes (stores + loads) "
+                          f"{report['spills']}, with the other ptxas {report['other_ptxas_spills']}; "
+                          f"registers {report['registers']}")
+
+if __name__ == "__main__":
+    main()
