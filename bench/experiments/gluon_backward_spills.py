@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import pathlib
 import sys
 import tempfile
 
+import pytest
 import torch
 
 sys.path.insert(0, "tests")
@@ -31,31 +31,7 @@ _compat.use_interpreter_libdevice()
 from _gluon_offline import compile_offline_for_sm90, rendered_gluon_sources  # noqa: E402
 
 
-
-class _Patches:
-    """The two monkeypatch methods ``rendered_gluon_sources`` uses, undone by ``undo``."""
-
-    def __init__(self):
-        self._undo = []
-
-    def setenv(self, name, value):
-        self._undo.append(lambda old=os.environ.get(name): os.environ.__setitem__(name, old) if old is not None
-                          else os.environ.pop(name, None))
-        os.environ[name] = value
-
-    def setattr(self, obj, name, value):
-        self._undo.append(lambda old=getattr(obj, name): setattr(obj, name, old))
-        setattr(obj, name, value)
-
-    def undo(self):
-        while self._undo:
-            self._undo.pop()()
-
-
 def rendered(head_dim: int, early_dq: bool) -> list[str]:
-    patches = _Patches()
-    patches.setattr(configs, "SM90", {**configs.SM90, head_dim: dataclasses.replace(configs.SM90[head_dim],
-                                                                                    early_dq=early_dq)})
     B, H, L = 2, 4, 256
     q, k, v = (torch.randn(B, H, L, head_dim, dtype=torch.float16, requires_grad=True) for _ in range(3))
     block_mask = flexattn.create_block_mask(mods.causal_mask, B, None, L, L, device="cpu")
@@ -63,10 +39,10 @@ def rendered(head_dim: int, early_dq: bool) -> list[str]:
     def run():
         torch.compile(flexattn.flex_attention)(q, k, v, block_mask=block_mask).sum().backward()
 
-    try:
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(configs, "SM90", {**configs.SM90, head_dim: dataclasses.replace(configs.SM90[head_dim],
+                                                                                        early_dq=early_dq)})
         sources = rendered_gluon_sources(patches, pathlib.Path(tempfile.mkdtemp()), run, kernel="backward")
-    finally:
-        patches.undo()
     sources = [s for s in sources if "def consume_keys(" in open(s).read()]
     assert sources and all(f"EARLY_DQ : tl.constexpr = {early_dq}" in open(s).read() for s in sources)
     return sources[:1]
@@ -86,6 +62,7 @@ def main() -> None:
                     print(f"D={head_dim} EARLY_DQ={early_dq} triton {report['triton']}: spill bytes (stores + loads) "
                           f"{report['spills']}, with the other ptxas {report['other_ptxas_spills']}; "
                           f"registers {report['registers']}")
+
 
 if __name__ == "__main__":
     main()

@@ -141,10 +141,9 @@ def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtyp
     if work is not None and work < SMALL_CALL_WORK:
         tables = SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES if partial_heavy else SMALL_CALL_MEMORY_MASK_TABLES
         small = table_entry(tables, device, padded_head_dim, dtype)
-        if small and partial_heavy and writes_lse and not score_reads_positions:
-            return dataclasses.replace(small, one_kv_loop=False)
         if small:
-            return small
+            two_loops = partial_heavy and writes_lse and not score_reads_positions
+            return dataclasses.replace(small, one_kv_loop=False) if two_loops else small
     heavy = partial_heavy and table_entry(PARTIAL_HEAVY_MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
     return (heavy or table_entry(MEMORY_MASK_TABLES, device, padded_head_dim, dtype)
             or dataclasses.replace(config, one_kv_loop=False))
