@@ -133,6 +133,9 @@ def test_bwd_backend_is_a_known_option():
 OFFLINE_CASES = {
     "causal_d128": dict(E=128, L=256, mask="causal"),
     "no_mask_odd_d128": dict(E=128, L=200, mask=None),
+    # A query length the copy engine cannot step through (rows of 4-byte statistics, 202 apart):
+    # the rows' log-sum-exp and delta through pointers.
+    "causal_rows_by_pointers_d128": dict(E=128, L=202, mask="causal"),
     "alibi_causal_d64": dict(E=64, L=256, mask="causal", score="alibi"),
     "gqa_documents_d128": dict(E=128, L=256, mask="documents", Hq=4, Hkv=2),
     # Inductor's max/min helpers in the score_mod and its gradient (the Gluon helpers' versions).
@@ -171,6 +174,8 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
     late_dp = c.get("score") is not None and E == 128
     assert all(f"LATE_DP : tl.constexpr = {late_dp}" in open(s).read() for s in sources)
     assert all(f"EARLY_DQ : tl.constexpr = {E == 64}" in open(s).read() for s in sources)
+    rows_by_tma = E == 128 and L % 4 == 0
+    assert all(f"ROWS_BY_TMA : tl.constexpr = {rows_by_tma}" in open(s).read() for s in sources)
     for report in compile_offline_for_sm90(sources):
         assert report["setmaxnreg"], "the partitions' register budgets were not applied"
         assert report["num_warps"] == 12  # two consumer warpgroups and the producer's

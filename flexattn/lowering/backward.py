@@ -192,7 +192,12 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
             late_dp = gluon_backward_configs.late_dp_default(
                 spec["QK_HEAD_DIM"], reads_positions(fw_graph.graph_module),
                 divides_by_non_power_of_two(call.mask_graph.graph_module))
-        usable = [dataclasses.replace(gluon_backward_configs.SM90[spec["QK_HEAD_DIM"]], late_dp=bool(late_dp))]
+        cfg = gluon_backward_configs.SM90[spec["QK_HEAD_DIM"]]
+        # The rows' statistics by the copy engine only where it can read them (query lengths a
+        # multiple of 4 and aligned buffers).
+        rows_by_tma = cfg.rows_by_tma and common.first_tma_obstacle(
+            [(logsumexp, "log-sum-exp"), (delta, "delta")]) is None
+        usable = [dataclasses.replace(cfg, late_dp=bool(late_dp), rows_by_tma=rows_by_tma)]
     else:
         template, template_name, what = backward_template, TEMPLATE_NAME, "backward"
         usable = triton_backward_configs(device, spec, dtype, kernel_options, call, fw_graph, dq_atomic)

@@ -35,6 +35,10 @@ class GluonBackwardConfig(TileConfig):
     #: Put the tile's dQ product in flight beside dV and dK (dS^T stored to shared memory
     #: first) instead of after them (bench/DECISIONS.md#gluon-backward-early-dq).
     early_dq: bool = False
+    #: Land each query tile's log-sum-exp and delta in shared memory with its Q and dO (read
+    #: there in the S^T columns' layout) instead of loading them in the consumers and spreading
+    #: them through shared memory (bench/DECISIONS.md#gluon-backward-rows-by-tma).
+    rows_by_tma: bool = False
 
     OPTION_NAMES: ClassVar[dict[str, str]] = {}
     OPTION_PREFIX: ClassVar[str] = "bwd_"
@@ -42,13 +46,13 @@ class GluonBackwardConfig(TileConfig):
     def constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_STAGES": self.num_stages,
                 "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs, "LATE_DP": self.late_dp,
-                "EARLY_DQ": self.early_dq}
+                "EARLY_DQ": self.early_dq, "ROWS_BY_TMA": self.rows_by_tma}
 
 
 #: By head dim (sm90, 16-bit inputs).
 SM90: dict[int, GluonBackwardConfig] = {
     64: GluonBackwardConfig(64, 128, 2, early_dq=True),
-    128: GluonBackwardConfig(64, 128, 2),
+    128: GluonBackwardConfig(64, 128, 2, rows_by_tma=True),
 }
 
 
