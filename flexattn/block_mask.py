@@ -61,9 +61,10 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 128
 """Default tile edge, in tokens, for both the query and the KV axis."""
 
-PARTIAL_HEAVY_SHARE = 0.5
+PARTIAL_HEAVY_SHARE = 0.8
 """A BlockMask is ``partial_heavy`` when more than this share of its listed blocks are
-partial (bench/DECISIONS.md#forward-partial-heavy-memory-mask)."""
+partial: the neighbourhood tables whose tiles it picks list all blocks partial, document
+masks 17-55% (bench/DECISIONS.md#forward-partial-heavy-memory-mask)."""
 
 MASK_CHUNK_BYTES = 1024 * 1024 * 1024
 """Working-memory budget, in bytes, for one chunk of mask evaluation in create_block_mask.
@@ -232,7 +233,8 @@ class BlockMask:
       when the mask was built without them (``compute_q_blocks=False``), which only a
       call without a backward accepts.
     * ``seq_lengths`` (q_len, kv_len), ``BLOCK_SIZE`` (q_block, kv_block), ``mask_mod``.
-    * ``partial_heavy``: whether most listed blocks are partial (mask_mod evaluated), as
+    * ``partial_heavy``: whether nearly all listed blocks are partial (mask_mod evaluated:
+      more than ``PARTIAL_HEAVY_SHARE`` of them), as
       ``create_block_mask`` records it for a mask_mod that reads captured tensors (where
       the forward kernel's choice depends on it); None when not known.
 

@@ -201,7 +201,7 @@ OPTIONS: tuple[KernelOption, ...] = (
                  "flex_attention's dropout_p: the kernels drop each probability with it and scale the kept ones "
                  "(the seed is an operator argument)", public=False),
     KernelOption("MASK_PARTIAL_HEAVY", "tristate", None, ("forward",),
-                 "the BlockMask's partial_heavy (most listed blocks partial), where create_block_mask knew it: "
+                 "the BlockMask's partial_heavy (nearly all listed blocks partial), where create_block_mask knew it: "
                  "the forward kernel's choice for a mask_mod that reads captured tensors", public=False),
     KernelOption("CODE_VERSION", "str", "", (),
                  "a digest of flexattn's lowering and templates, so Inductor's FX-graph cache never reuses a graph "

@@ -887,7 +887,7 @@ def test_kept_query_length_of_an_index_tensor_is_whole_blocks():
 # partial_heavy: what the forward kernel's choice reads off the listing
 # --------------------------------------------------------------------------------------
 def test_partial_heavy_is_known_for_masks_that_read_captured_tensors():
-    """create_block_mask records whether most listed blocks are partial for a mask_mod
+    """create_block_mask records whether nearly all listed blocks are partial for a mask_mod
     that reads captured tensors (in its closure, in a global it names, or through a
     combined mask); arithmetic masks leave it unknown (no device sync for them). It
     survives the copies a call makes (to, adjust, the per-call tiling, the pytree round
@@ -907,6 +907,12 @@ def test_partial_heavy_is_known_for_masks_that_read_captured_tensors():
     light = create_block_mask(documents, None, None, S, S, device=CPU, BLOCK_SIZE=16)
     combined = create_block_mask(bm.and_masks(causal_mask, scattered), None, None, S, S, device=CPU, BLOCK_SIZE=16)
     assert heavy.partial_heavy is True and light.partial_heavy is False and combined.partial_heavy is True
+    # Causal documents of 100 tokens list 36 partial blocks against 28 full (56%): below the share.
+    docs_100 = torch.arange(S, device=CPU) // 100
+    middling = create_block_mask(bm.and_masks(causal_mask, lambda b, h, q_idx, kv_idx: docs_100[q_idx] == docs_100[kv_idx]),
+                                 None, None, S, S, device=CPU, BLOCK_SIZE=16)
+    assert (middling.kv_num_blocks.sum().item(), middling.full_kv_num_blocks.sum().item()) == (36, 28)
+    assert middling.partial_heavy is False
     assert create_block_mask(causal_mask, None, None, S, S, device=CPU).partial_heavy is None
     assert heavy.to(CPU).partial_heavy and heavy.adjust(128, 128).partial_heavy
     leaves, spec = pytree.tree_flatten(heavy)

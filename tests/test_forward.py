@@ -354,6 +354,56 @@ def test_the_tile_choice_sees_what_the_call_writes_and_what_its_score_mod_reads(
     assert seen[0]["score_reads_positions"] == (score == "alibi")
 
 
+class _Chosen(Exception):
+    """Stops a compile once the forward lowering has asked for its tiles."""
+
+
+def _offsets_causal(docs, offsets):
+    return lambda b, h, q, kv: (docs[q] == docs[kv]) & (q - offsets[docs[q]] >= kv - offsets[docs[kv]])
+
+
+def _offsets_bounds(docs, offsets):
+    return lambda b, h, q, kv: (kv >= offsets[docs[q]]) & (kv < offsets[docs[q] + 1])
+
+
+def _searched(docs, offsets):
+    return lambda b, h, q, kv: torch.searchsorted(offsets[1:].contiguous(), kv, right=True) == docs[q]
+
+
+def _pair_table(docs, offsets):
+    table = docs[:, None] == docs[None, :]
+    return lambda b, h, q, kv: table[q, kv]
+
+
+@pytest.mark.triton_kernels
+@pytest.mark.parametrize("make_mask,gathers", [
+    (lambda docs, offsets: mods.document_mask(docs), 1), (_offsets_bounds, 0), (_offsets_causal, 2),
+    (_pair_table, 2), (_searched, 3)], ids=["ids", "bounds_by_query", "offsets_causal", "pair_table", "searched"])
+def test_the_tile_choice_counts_the_mask_mods_reads_at_each_key(monkeypatch, make_mask, gathers):
+    """The lowering hands the tile table the number of captured-tensor reads the mask_mod
+    makes at positions depending on kv_idx (reads at q_idx alone are once a query tile, a
+    read written twice is one; a search over a 6-entry table reads once at each of three steps)."""
+    from flexattn.lowering import forward as forward_lowering
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        raise _Chosen
+
+    monkeypatch.setattr(forward_lowering.forward_configs, "candidate_configs", recording)
+    n = 48
+    docs = (torch.arange(n, device=DEVICE) * 5 // n).to(torch.int64)
+    offsets = torch.tensor([0, 10, 20, 29, 39, 48, 48], device=DEVICE)
+    q, k, v = (harness.randn(harness.generator(i), 1, 2, n, 16, dtype=torch.float16) for i in range(3))
+    bm = create_block_mask(make_mask(docs, offsets), None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as raised:
+        torch.compile(lambda q, k, v: flexattn.flex_attention(q, k, v, block_mask=bm), fullgraph=True)(q, k, v)
+    assert seen and raised.errisinstance((_Chosen, torch._dynamo.exc.BackendCompilerFailed))
+    assert seen[0]["mask_reads_memory"] and seen[0]["mask_key_gathers"] == gathers
+
+
 # Each scale with each way the loop may hold its scores (interpreter budget: 4 of the 8).
 @pytest.mark.parametrize("scale,options,with_score_mod", [
     (0.0, {}, False), (-0.3, {}, False), (-0.3, {"PRESCALE_QK": True}, False), (0.0, {"PRESCALE_QK": True}, True),

@@ -369,7 +369,7 @@ def test_one_kv_loop_choice(monkeypatch):
                                   mask_reads_memory=True)[0] == cfgs.ForwardConfig(64, 64, 4, 2)
     assert not cfgs.candidate_configs(dev, 64, torch.float32, False, {}, mask_reads_memory=True)[0].one_kv_loop
     assert not cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {"fwd_ONE_KV_LOOP": False})[0].one_kv_loop
-    # A memory-reading mask on mostly partial blocks: 128x128, eight warps, two loops (sm90
+    # A memory-reading mask on nearly all partial blocks: 128x128, eight warps, two loops (sm90
     # D=128); elsewhere the flag changes nothing.
     assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True,
                                   partial_heavy=True)[0] == cfgs.ForwardConfig(128, 128, 8, 2)
@@ -393,6 +393,20 @@ def test_one_kv_loop_choice(monkeypatch):
     for (heavy, lse, positions), tile in expected.items():
         assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True, partial_heavy=heavy,
                                       work=small, writes_lse=lse, score_reads_positions=positions)[0] == tile
+    # A mask_mod reading at most one value a key takes two loops and three stages whatever the
+    # BlockMask, the log-sum-exp and the score_mod; two a key (or not known) keeps the tiles above.
+    few_gathers = cfgs.ForwardConfig(64, 64, 4, 3)
+    for heavy, lse, positions in expected:
+        for gathers, tile in ((0, few_gathers), (1, few_gathers), (2, expected[heavy, lse, positions]),
+                              (None, expected[heavy, lse, positions])):
+            assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True,
+                                          partial_heavy=heavy, work=small, writes_lse=lse,
+                                          score_reads_positions=positions, mask_key_gathers=gathers)[0] == tile
+    for work in (bound, None):
+        assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True, work=work,
+                                      mask_key_gathers=1)[0] == cfgs.ForwardConfig(128, 64, 4, 2)
+    assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, work=small,
+                                  mask_key_gathers=0)[0] == cfgs.SM90[(128, "16bit")]
     # The log-sum-exp changes nothing outside the small partial-heavy tile.
     assert cfgs.candidate_configs(dev, 128, torch.bfloat16, False, {}, mask_reads_memory=True, partial_heavy=True,
                                   work=bound, writes_lse=True)[0] == cfgs.ForwardConfig(128, 128, 8, 2)

@@ -20,7 +20,7 @@ from . import common
 from .configs import base as config_base
 from .configs import forward as forward_configs
 from .forward_plan import call_work
-from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, gathered_tile_bytes, reads_positions
+from .subgraph import MASK_MOD_ARGS, SCORE_MOD_ARGS, gathered_tile_bytes, key_gathers, reads_positions
 
 TEMPLATE_NAME = "flexattn_forward"
 
@@ -74,7 +74,8 @@ def lower_forward(query, key, value, score_mod, block_mask, scale, kernel_option
         mask_reads_memory=common.mask_reads_memory(call.mask_mod_buffers),
         partial_heavy=bool(_options.read_internal(kernel_options, "MASK_PARTIAL_HEAVY")),
         work=call_work(query, key), writes_lse=bool(spec["OUTPUT_LOGSUMEXP"]),
-        score_reads_positions=reads_positions(score_mod.graph_module))
+        score_reads_positions=reads_positions(score_mod.graph_module),
+        mask_key_gathers=key_gathers(call.mask_graph.graph_module, len(MASK_MOD_ARGS)))
     usable = forward_configs.usable_configs(
         candidates, kernel_options, sparse_q=call.sparse_q, sparse_kv=call.sparse_kv,
         qk_dim_pad=spec["QK_HEAD_DIM_PAD"], v_dim_pad=spec["V_HEAD_DIM_PAD"], elem_bytes=dtype.itemsize,

@@ -48,7 +48,7 @@ class ForwardInputs:
     backend: str
     #: The mask_mod reads captured tensors.
     mask_reads_memory: bool = False
-    #: The BlockMask's partial_heavy (most listed blocks partial; None: not known).
+    #: The BlockMask's partial_heavy (nearly all listed blocks partial; None: not known).
     partial_heavy: bool | None = None
     #: kernel_options USE_TMA=False: the call forbids tensor-descriptor loads.
     tma_forbidden: bool = False
@@ -138,7 +138,7 @@ def plan_forward(inputs: ForwardInputs) -> ForwardPlan:
         return ForwardPlan("triton", f"head dim {inputs.qk_head_dim}: the Triton template measured faster")
     if (inputs.mask_reads_memory and inputs.partial_heavy
             and inputs.qk_head_dim in gluon_configs.PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS):
-        return ForwardPlan("triton", "a mask_mod reading captured tensors on mostly partial blocks: the Triton "
+        return ForwardPlan("triton", "a mask_mod reading captured tensors on nearly all partial blocks: the Triton "
                                      "template measured faster")
     return ForwardPlan("gluon", "sm90, 16-bit, TMA-ready layouts")
 

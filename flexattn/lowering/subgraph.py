@@ -18,7 +18,7 @@ enclosing graph before the builder runs.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch._inductor import ir
@@ -271,6 +271,37 @@ def gathered_tile_bytes(graph_module: torch.fx.GraphModule, n_scalar_args: int) 
             if depends_on(user, {q_idx}) and depends_on(user, {kv_idx}):
                 total += size
     return total
+
+
+def key_gathers(graph_module: torch.fx.GraphModule, n_scalar_args: int) -> int:
+    """How many distinct reads of captured tensors a mod makes at positions that depend on
+    kv_idx: the gathers each KV block reloads (``doc[kv_idx]`` one however often written,
+    ``offsets[doc[kv_idx]]`` two, an unrolled search over kv_idx one a step); a gather at both
+    q_idx and kv_idx counts two (a tile-shaped read). Reads at q_idx, b or h alone are once
+    per query tile."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    q_idx, kv_idx = placeholders[n_scalar_args - 2], placeholders[n_scalar_args - 1]
+    shapes: dict[torch.fx.Node, Any] = {}
+
+    def shape(arg):
+        """The expression an argument computes, equal for equal expressions (as CSE sees them)."""
+        if isinstance(arg, (list, tuple)):
+            return tuple(shape(a) for a in arg)
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        if arg not in shapes:
+            shapes[arg] = (arg if arg.op != "call_function"
+                           else (arg.target, shape(arg.args), tuple(sorted((k, shape(v)) for k, v in arg.kwargs.items()))))
+        return shapes[arg]
+
+    reads: dict[Any, int] = {}
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.index.Tensor:
+            continue
+        indices = [i for i in node.args[1] if isinstance(i, torch.fx.Node)]
+        if any(depends_on(i, {kv_idx}) for i in indices):
+            reads[shape(node)] = 2 if any(depends_on(i, {q_idx}) for i in indices) else 1
+    return sum(reads.values())
 
 
 def is_identity_score_mod(graph_module: torch.fx.GraphModule) -> bool:

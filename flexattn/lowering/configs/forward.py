@@ -79,7 +79,7 @@ SM90_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
     (64, "16bit"): ForwardConfig(64, 64, 4, 2, one_kv_loop=True),
 }
 MEMORY_MASK_TABLES = {"sm90": SM90_MEMORY_MASK}
-# The same for a BlockMask whose listed blocks are mostly partial (neighbourhoods in tiled
+# The same for a BlockMask whose listed blocks are nearly all partial (neighbourhoods in tiled
 # or Morton token orders): every tile evaluates the mask's gathers, and eight warps over
 # 128x128 tiles keep more of them in flight (bench/DECISIONS.md#forward-partial-heavy-memory-mask).
 SM90_PARTIAL_HEAVY_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] = {
@@ -102,6 +102,17 @@ SM90_SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK: dict[tuple[int, str], ForwardConfig] 
     (128, "16bit"): ForwardConfig(64, 64, 4, 2, one_kv_loop=True),
 }
 SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES = {"sm90": SM90_SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK}
+# Before both tables above, a small call whose mask_mod gathers at most FEW_KEY_GATHERS
+# values a key (document ids, image spans, per-sequence prompt lengths): two loops and three
+# stages, the full blocks' loop streaming K and V unhindered; masks gathering more a key
+# (offsets of the key's document, row and column tables) lost 20-60% on it
+# (bench/DECISIONS.md#forward-small-call-few-key-gathers).
+SM90_SMALL_CALL_FEW_KEY_GATHERS: dict[tuple[int, str], ForwardConfig] = {
+    (64, "16bit"): ForwardConfig(64, 64, 4, 3),
+    (128, "16bit"): ForwardConfig(64, 64, 4, 3),
+}
+SMALL_CALL_FEW_KEY_GATHERS_TABLES = {"sm90": SM90_SMALL_CALL_FEW_KEY_GATHERS}
+FEW_KEY_GATHERS = 1
 #: batch x heads x queries x keys x QK head dim below which a call is small for the tables
 #: above: the forward's small-call bound (``configs.tma``), the calls these tiles were measured on.
 SMALL_CALL_WORK = TMA_MIN_FORWARD_WORK
@@ -130,15 +141,21 @@ SMEM_STEPS = (("num_stages", 2), ("block_n", 32), ("num_stages", 1), ("block_n",
 def default_config(device: torch.device, padded_head_dim: int, dtype: torch.dtype,
                    mask_reads_memory: bool = False, partial_heavy: bool = False,
                    work: int | None = None, writes_lse: bool = False,
-                   score_reads_positions: bool = False) -> ForwardConfig:
+                   score_reads_positions: bool = False, mask_key_gathers: int | None = None) -> ForwardConfig:
     """The call's default tile; ``mask_reads_memory``: the mask_mod reads captured tensors;
-    ``partial_heavy``: the BlockMask lists mostly partial blocks; ``work``: batch x heads x
+    ``partial_heavy``: the BlockMask lists nearly all blocks partial; ``work``: batch x heads x
     queries x keys x QK head dim (None where a size is symbolic); ``writes_lse``: the kernel
-    writes the log-sum-exp; ``score_reads_positions``: the score_mod reads q_idx or kv_idx."""
+    writes the log-sum-exp; ``score_reads_positions``: the score_mod reads q_idx or kv_idx;
+    ``mask_key_gathers``: the mask_mod's reads at key-dependent positions (``subgraph.key_gathers``;
+    None: not known)."""
     config = generation_table(TABLES, device, padded_head_dim, dtype)
     if not mask_reads_memory:
         return config
     if work is not None and work < SMALL_CALL_WORK:
+        few = (mask_key_gathers is not None and mask_key_gathers <= FEW_KEY_GATHERS
+               and table_entry(SMALL_CALL_FEW_KEY_GATHERS_TABLES, device, padded_head_dim, dtype))
+        if few:
+            return few
         tables = SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES if partial_heavy else SMALL_CALL_MEMORY_MASK_TABLES
         small = table_entry(tables, device, padded_head_dim, dtype)
         if small:
@@ -167,21 +184,23 @@ def shared_memory_estimate(cfg: ForwardConfig, qk_dim_pad: int, v_dim_pad: int, 
 def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.dtype, max_autotune: bool,
                       kernel_options: dict[str, Any], mask_reads_memory: bool = False,
                       partial_heavy: bool = False, work: int | None = None, writes_lse: bool = False,
-                      score_reads_positions: bool = False) -> list[ForwardConfig]:
+                      score_reads_positions: bool = False, mask_key_gathers: int | None = None) -> list[ForwardConfig]:
     """Default (+ autotune candidates), with pinned fields applied, deduplicated.
 
-    A mask_mod that reads captured tensors takes ``SMALL_CALL_MEMORY_MASK_TABLES``' tile
-    (``SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the BlockMask lists mostly partial
-    blocks, with two loops under ``writes_lse`` unless ``score_reads_positions``) in a call of
-    less ``work`` than ``SMALL_CALL_WORK``, else ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the
-    BlockMask lists mostly partial blocks, else ``MEMORY_MASK_TABLES``' where they have one;
+    A mask_mod that reads captured tensors takes, in a call of less ``work`` than
+    ``SMALL_CALL_WORK``, ``SMALL_CALL_FEW_KEY_GATHERS_TABLES``' tile where it reads at most
+    ``FEW_KEY_GATHERS`` values a key, else ``SMALL_CALL_MEMORY_MASK_TABLES``' tile
+    (``SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the BlockMask lists nearly all
+    blocks partial, with two loops under ``writes_lse`` unless ``score_reads_positions``); in
+    a larger call ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the
+    BlockMask lists nearly all blocks partial, else ``MEMORY_MASK_TABLES``' where they have one;
     otherwise it keeps one loop per block group unless ONE_KV_LOOP is pinned: behind
     the one loop's branch its loads are not software-pipelined
     (bench/DECISIONS.md#forward-mask-reads-memory). The autotune candidates are all
     two-loop tiles.
     """
     configs = [default_config(device, padded_head_dim, dtype, mask_reads_memory, partial_heavy, work,
-                              writes_lse, score_reads_positions)]
+                              writes_lse, score_reads_positions, mask_key_gathers)]
     if max_autotune:
         configs += list(AUTOTUNE_CANDIDATES)
     return with_pinned(configs, ForwardConfig.pinned_fields(kernel_options))

@@ -63,7 +63,7 @@ UNMODIFIED_SM90: dict[int, GluonForwardConfig] = {
 #: unmodified calls (UNMODIFIED_SM90, `takes_by_default`).
 DEFAULT_HEAD_DIMS = (128, 256)
 
-#: Head dims where a mask_mod that reads captured tensors on a BlockMask of mostly partial
+#: Head dims where a mask_mod that reads captured tensors on a BlockMask of nearly all partial
 #: blocks takes the Triton template: the consumers' softmax waits on the mask's gathers,
 #: which the template's eight warps overlap (bench/DECISIONS.md#forward-partial-heavy-memory-mask).
 PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS = (128,)
