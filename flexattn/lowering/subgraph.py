@@ -281,18 +281,18 @@ def key_gathers(graph_module: torch.fx.GraphModule, n_scalar_args: int) -> int:
     per query tile."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     q_idx, kv_idx = placeholders[n_scalar_args - 2], placeholders[n_scalar_args - 1]
-    shapes: dict[torch.fx.Node, Any] = {}
+    expressions: dict[torch.fx.Node, Any] = {}
 
-    def shape(arg):
-        """The expression an argument computes, equal for equal expressions (as CSE sees them)."""
+    def expression(arg):
+        """What an argument computes, equal for equal computations (as CSE sees them)."""
         if isinstance(arg, (list, tuple)):
-            return tuple(shape(a) for a in arg)
+            return tuple(expression(a) for a in arg)
         if not isinstance(arg, torch.fx.Node):
             return arg
-        if arg not in shapes:
-            shapes[arg] = (arg if arg.op != "call_function"
-                           else (arg.target, shape(arg.args), tuple(sorted((k, shape(v)) for k, v in arg.kwargs.items()))))
-        return shapes[arg]
+        if arg not in expressions:
+            expressions[arg] = arg if arg.op != "call_function" else (
+                arg.target, expression(arg.args), tuple(sorted((k, expression(v)) for k, v in arg.kwargs.items())))
+        return expressions[arg]
 
     reads: dict[Any, int] = {}
     for node in graph_module.graph.nodes:
@@ -300,7 +300,7 @@ def key_gathers(graph_module: torch.fx.GraphModule, n_scalar_args: int) -> int:
             continue
         indices = [i for i in node.args[1] if isinstance(i, torch.fx.Node)]
         if any(depends_on(i, {kv_idx}) for i in indices):
-            reads[shape(node)] = 2 if any(depends_on(i, {q_idx}) for i in indices) else 1
+            reads[expression(node)] = 2 if any(depends_on(i, {q_idx}) for i in indices) else 1
     return sum(reads.values())
 
 

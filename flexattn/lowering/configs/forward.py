@@ -192,8 +192,8 @@ def candidate_configs(device: torch.device, padded_head_dim: int, dtype: torch.d
     ``FEW_KEY_GATHERS`` values a key, else ``SMALL_CALL_MEMORY_MASK_TABLES``' tile
     (``SMALL_CALL_PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the BlockMask lists nearly all
     blocks partial, with two loops under ``writes_lse`` unless ``score_reads_positions``); in
-    a larger call ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the
-    BlockMask lists nearly all blocks partial, else ``MEMORY_MASK_TABLES``' where they have one;
+    a larger call ``PARTIAL_HEAVY_MEMORY_MASK_TABLES``' when the BlockMask lists nearly all
+    blocks partial, else ``MEMORY_MASK_TABLES``' where they have one;
     otherwise it keeps one loop per block group unless ONE_KV_LOOP is pinned: behind
     the one loop's branch its loads are not software-pipelined
     (bench/DECISIONS.md#forward-mask-reads-memory). The autotune candidates are all
