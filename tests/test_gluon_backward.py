@@ -174,6 +174,8 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
     late_dp = c.get("score") is not None and E == 128
     assert all(f"LATE_DP : tl.constexpr = {late_dp}" in open(s).read() for s in sources)
     assert all(f"EARLY_DQ : tl.constexpr = {E == 64}" in open(s).read() for s in sources)
+    assert all(f"DQ_BEFORE_DK : tl.constexpr = {E == 128}" in open(s).read() for s in sources)
+    assert all(f"DS_BUFFERS : tl.constexpr = {2 if E == 128 else 1}" in open(s).read() for s in sources)
     rows_by_tma = E == 128 and L % 4 == 0
     assert all(f"ROWS_BY_TMA : tl.constexpr = {rows_by_tma}" in open(s).read() for s in sources)
     for report in compile_offline_for_sm90(sources):
@@ -187,43 +189,55 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
 # consumers' shared dS^T tile
 # --------------------------------------------------------------------------------------
 #: The mbarrier operations of the producer (load_tiles) and a consumer (consume_keys) in
-#: source order, as (operation, barrier, index expression), by EARLY_DQ (dQ issued beside dV
-#: and dK: the Q/dO stage released after the ds_ready wait); the model below follows them.
+#: source order, as (operation, barrier, index expression), by the order of a tile's dQ
+#: product: after dV's and dK's (the Q/dO stage released before the ds_ready wait), EARLY_DQ
+#: (beside them: released after it) and DQ_BEFORE_DK (between them: released after dK's
+#: product, behind the ds_free arrival); the model below follows them.
 PRODUCER_OPS = [("expect", "kv_ready", None), ("wait", "tile_free", "stage"), ("expect", "q_ready", "stage"),
                 ("expect", "do_ready", "stage")]
 _TILE_START = [("wait", "kv_ready", None), ("wait", "q_ready", "stage"), ("wait", "do_ready", "stage"),
-               ("wait", "ds_free", None), ("arrive", "ds_ready", None)]
-CONSUMER_OPS = {
-    False: _TILE_START + [("arrive", "tile_free", "stage"), ("wait", "ds_ready", None), ("arrive", "ds_free", None)],
-    True: _TILE_START + [("wait", "ds_ready", None), ("arrive", "tile_free", "stage"), ("arrive", "ds_free", None)],
-}
+               ("wait", "ds_free", "ds_slot"), ("arrive", "ds_ready", "ds_slot")]
+_FREE_STAGE, _DS_WAIT, _DS_RELEASE = ("arrive", "tile_free", "stage"), ("wait", "ds_ready", "ds_slot"), \
+    ("arrive", "ds_free", "ds_slot")
+ORDERS = {"after": (_FREE_STAGE, _DS_WAIT, _DS_RELEASE), "early_dq": (_DS_WAIT, _FREE_STAGE, _DS_RELEASE),
+          "dq_before_dk": (_DS_WAIT, _DS_RELEASE, _FREE_STAGE)}
+ORDER_FLAGS = {"after": {"EARLY_DQ": False, "DQ_BEFORE_DK": False}, "early_dq": {"EARLY_DQ": True, "DQ_BEFORE_DK": False},
+               "dq_before_dk": {"EARLY_DQ": False, "DQ_BEFORE_DK": True}}
 COUNTS = {"kv_ready": 1, "q_ready": 1, "do_ready": 1, "tile_free": 2, "ds_ready": 2, "ds_free": 2}
 
 
-def _template_ops(function: str, early_dq: bool = False) -> list[tuple]:
-    """The function's mbarrier operations with its ``if EARLY_DQ:`` / ``if not EARLY_DQ:``
-    blocks resolved for ``early_dq``."""
+def _template_ops(function: str, flags: dict[str, bool] | None = None) -> list[tuple]:
+    """The function's mbarrier operations with its ``if``/``else`` blocks on the ``flags``
+    constexprs (conditions over those names alone) resolved."""
+    flags = flags or ORDER_FLAGS["after"]
     body = gluon_kernel_source("gluon_backward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
-    kept, skipping_above = [], None
+    kept, skipping_above, resolved = [], None, {}
     for line in body.splitlines():
-        indent = len(line) - len(line.lstrip())
+        indent, stripped = len(line) - len(line.lstrip()), line.strip()
         if skipping_above is not None:
-            if not line.strip() or indent > skipping_above:
+            if not stripped or indent > skipping_above:
                 continue
             skipping_above = None
-        branch = re.fullmatch(r"if (not )?EARLY_DQ:", line.strip())
-        if branch:
-            if bool(branch.group(1)) == early_dq:
-                skipping_above = indent
+        if not stripped:
             continue
+        branch = re.fullmatch(r"if (.+):", stripped)
+        names = set(re.findall(r"\b[A-Z][A-Z_]+\b", branch.group(1))) if branch else set()
+        if names and names <= set(flags):
+            resolved[indent] = bool(eval(branch.group(1), {}, dict(flags)))  # noqa: S307 - the template's own text
+            skipping_above = None if resolved[indent] else indent
+            continue
+        if stripped == "else:" and indent in resolved:
+            skipping_above = indent if resolved.pop(indent) else None
+            continue
+        resolved = {i: v for i, v in resolved.items() if i < indent}
         kept.append(line)
     return [(op, bar, index or None) for op, bar, index in
             re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", "\n".join(kept))]
 
 
-def _programs(tiles_per_head: list[int], stages: int, early_dq: bool = False) -> list[list[tuple]]:
+def _programs(tiles_per_head: list[int], stages: int, order: str = "after", ds_buffers: int = 1) -> list[list[tuple]]:
     """The producer's and both consumers' operations for one program whose group's query
-    heads list ``tiles_per_head`` query tiles; the ring's and the dS^T tile's counts run on
+    heads list ``tiles_per_head`` query tiles; the ring's and the dS^T buffers' counts run on
     across heads."""
     total = sum(tiles_per_head)
     producer = [("tma", ("kv_ready", 0), None)]
@@ -235,26 +249,28 @@ def _programs(tiles_per_head: list[int], stages: int, early_dq: bool = False) ->
     consumer = [("wait", ("kv_ready", 0), 0)]
     for j in range(total):
         stage, lap = j % stages, j // stages
-        free_stage, ds_wait = ("arrive", ("tile_free", stage), None), ("wait", ("ds_ready", 0), j)
+        slot, ds_lap = j % ds_buffers, j // ds_buffers
+        ops = {_FREE_STAGE: ("arrive", ("tile_free", stage), None), _DS_WAIT: ("wait", ("ds_ready", slot), ds_lap),
+               _DS_RELEASE: ("arrive", ("ds_free", slot), None)}
         consumer += [("wait", ("q_ready", stage), lap), ("wait", ("do_ready", stage), lap),
-                     # dS^T rewritten once both warpgroups' dQ products of the last tile read it.
-                     ("wait", ("ds_free", 0), j - 1), ("arrive", ("ds_ready", 0), None),
-                     *((ds_wait, free_stage) if early_dq else (free_stage, ds_wait)),
-                     ("arrive", ("ds_free", 0), None)]
+                     # A dS^T buffer rewritten once both warpgroups' dQ products of its last tile read it.
+                     ("wait", ("ds_free", slot), ds_lap - 1), ("arrive", ("ds_ready", slot), None),
+                     *(ops[op] for op in ORDERS[order])]
     return [producer, consumer, list(consumer)]
 
 
-@pytest.mark.parametrize("early_dq", [False, True])
-def test_the_model_has_the_templates_barrier_operations(early_dq):
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_the_model_has_the_templates_barrier_operations(order):
     assert _template_ops("load_tiles") == PRODUCER_OPS
-    assert _template_ops("consume_keys", early_dq) == CONSUMER_OPS[early_dq]
+    assert _template_ops("consume_keys", ORDER_FLAGS[order]) == _TILE_START + list(ORDERS[order])
 
 
 @pytest.mark.parametrize("tiles_per_head", [[0], [1], [3], [2, 0, 3], [1, 1, 1, 1]], ids=str)
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("early_dq", [False, True])
-def test_no_interleaving_of_the_backward_partitions_hangs(tiles_per_head, stages, early_dq):
-    assert explore(_programs(tiles_per_head, stages, early_dq), COUNTS) == []
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("ds_buffers", [1, 2])
+def test_no_interleaving_of_the_backward_partitions_hangs(tiles_per_head, stages, order, ds_buffers):
+    assert explore(_programs(tiles_per_head, stages, order, ds_buffers), COUNTS) == []
 
 
 def test_the_model_finds_a_ds_ready_wait_on_the_wrong_parity():

@@ -1,11 +1,11 @@
 """Does a Gluon backward variant spill on sm90, and is it the Triton release or ptxas? (issue #50)
 
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/experiments/gluon_backward_spills.py [PYTHON ...] \
-        [--other-ptxas PATH] [--dims 64,128]
+        [--other-ptxas PATH] [--dims 64,128] [--configs '{"NAME": {"early_dq": true}, ...}']
 
 No GPU needed. Renders the Gluon backward of a causal call (B=2 H=4 L=256, fp16, no
 score_mod) through flexattn's lowering on the CPU with EARLY_DQ forced off and on
-(`GluonBackwardConfig.early_dq`), then compiles each rendered module for sm90 under each
+(`GluonBackwardConfig.early_dq`; ``--configs`` names other sets of the config's fields), then compiles each rendered module for sm90 under each
 PYTHON given (each with its own Triton: e.g. this one and a venv holding the GPU machine's
 Triton 3.6) and prints ptxas's spill bytes (stores and loads) and registers; ``--other-ptxas``
 also runs that ptxas on the same PTX (to tell the Triton release's code generation from its ptxas).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import sys
 import tempfile
@@ -31,7 +32,7 @@ _compat.use_interpreter_libdevice()
 from _gluon_offline import compile_offline_for_sm90, rendered_gluon_sources  # noqa: E402
 
 
-def rendered(head_dim: int, early_dq: bool) -> list[str]:
+def rendered(head_dim: int, fields: dict) -> list[str]:
     B, H, L = 2, 4, 256
     q, k, v = (torch.randn(B, H, L, head_dim, dtype=torch.float16, requires_grad=True) for _ in range(3))
     block_mask = flexattn.create_block_mask(mods.causal_mask, B, None, L, L, device="cpu")
@@ -40,11 +41,12 @@ def rendered(head_dim: int, early_dq: bool) -> list[str]:
         torch.compile(flexattn.flex_attention)(q, k, v, block_mask=block_mask).sum().backward()
 
     with pytest.MonkeyPatch.context() as patches:
-        patches.setattr(configs, "SM90", {**configs.SM90, head_dim: dataclasses.replace(configs.SM90[head_dim],
-                                                                                        early_dq=early_dq)})
+        config = dataclasses.replace(configs.SM90[head_dim], **fields)
+        patches.setattr(configs, "SM90", {**configs.SM90, head_dim: config})
         sources = rendered_gluon_sources(patches, pathlib.Path(tempfile.mkdtemp()), run, kernel="backward")
     sources = [s for s in sources if "def consume_keys(" in open(s).read()]
-    assert sources and all(f"EARLY_DQ : tl.constexpr = {early_dq}" in open(s).read() for s in sources)
+    assert sources and all(f"{name} : tl.constexpr = {value}" in open(s).read()
+                           for s in sources for name, value in config.constexprs().items())
     return sources[:1]
 
 
@@ -53,15 +55,16 @@ def main() -> None:
     parser.add_argument("pythons", nargs="*", default=[sys.executable])
     parser.add_argument("--other-ptxas", default="")
     parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--configs", default='{"EARLY_DQ=False": {"early_dq": false}, "EARLY_DQ=True": {"early_dq": true}}')
     args = parser.parse_args()
     for head_dim in map(int, args.dims.split(",")):
-        for early_dq in (False, True):
-            paths = rendered(head_dim, early_dq)
+        for name, fields in json.loads(args.configs).items():
+            paths = rendered(head_dim, fields)
             for python in args.pythons:
                 for report in compile_offline_for_sm90(paths, python, args.other_ptxas):
-                    print(f"D={head_dim} EARLY_DQ={early_dq} triton {report['triton']}: spill bytes (stores + loads) "
+                    print(f"D={head_dim} {name} triton {report['triton']}: spill bytes (stores + loads) "
                           f"{report['spills']}, with the other ptxas {report['other_ptxas_spills']}; "
-                          f"registers {report['registers']}")
+                          f"registers {report['registers']}, shared memory {report['shared']} bytes")
 
 
 if __name__ == "__main__":

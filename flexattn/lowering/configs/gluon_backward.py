@@ -39,6 +39,12 @@ class GluonBackwardConfig(TileConfig):
     #: there in the S^T columns' layout) instead of loading them in the consumers and spreading
     #: them through shared memory (bench/DECISIONS.md#gluon-backward-rows-by-tma).
     rows_by_tma: bool = False
+    #: Issue the tile's dQ product between dV's and dK's (dS^T stored first), so that dQ's
+    #: store and bulk add run while dK's product does (bench/DECISIONS.md#gluon-backward-dq-before-dk).
+    dq_before_dk: bool = False
+    #: dS^T tiles in shared memory, by tile: with two, a warpgroup writes its rows of the next
+    #: tile's without waiting for the other's dQ product of this one.
+    ds_buffers: int = 1
 
     OPTION_NAMES: ClassVar[dict[str, str]] = {}
     OPTION_PREFIX: ClassVar[str] = "bwd_"
@@ -46,13 +52,14 @@ class GluonBackwardConfig(TileConfig):
     def constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_STAGES": self.num_stages,
                 "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs, "LATE_DP": self.late_dp,
-                "EARLY_DQ": self.early_dq, "ROWS_BY_TMA": self.rows_by_tma}
+                "EARLY_DQ": self.early_dq, "ROWS_BY_TMA": self.rows_by_tma,
+                "DQ_BEFORE_DK": self.dq_before_dk, "DS_BUFFERS": self.ds_buffers}
 
 
 #: By head dim (sm90, 16-bit inputs).
 SM90: dict[int, GluonBackwardConfig] = {
     64: GluonBackwardConfig(64, 128, 2, early_dq=True),
-    128: GluonBackwardConfig(64, 128, 2, rows_by_tma=True),
+    128: GluonBackwardConfig(64, 128, 2, rows_by_tma=True, dq_before_dk=True, ds_buffers=2),
 }
 
 
