@@ -130,6 +130,14 @@ def test_bwd_backend_is_a_known_option():
         flexattn.options.validate({"BWD_BACKEND": "FLASH"})
 
 
+def test_the_default_tile_orders_by_head_dim():
+    """D=64: dQ's product beside dV's and dK's (EARLY_DQ); D=128: between them, two dS^T buffers
+    (bench/DECISIONS.md#gluon-backward-early-dq, #gluon-backward-dq-before-dk)."""
+    d64, d128 = gluon_configs.SM90[64], gluon_configs.SM90[128]
+    assert (d64.block_m, d64.early_dq, d64.dq_before_dk, d64.ds_buffers) == (64, True, False, 1)
+    assert (d128.block_m, d128.early_dq, d128.dq_before_dk, d128.ds_buffers) == (64, False, True, 2)
+
+
 OFFLINE_CASES = {
     "causal_d128": dict(E=128, L=256, mask="causal"),
     "no_mask_odd_d128": dict(E=128, L=200, mask=None),
@@ -140,6 +148,9 @@ OFFLINE_CASES = {
     "gqa_documents_d128": dict(E=128, L=256, mask="documents", Hq=4, Hkv=2),
     # Inductor's max/min helpers in the score_mod and its gradient (the Gluon helpers' versions).
     "clamped_relative_causal_d128": dict(E=128, L=256, mask="causal", score="clamped_relative"),
+    # Query tiles as tall as the program's keys (a [128, 128] dS^T tile), in the dQ-before-dK order.
+    "tall_tiles_causal_d64": dict(E=64, L=384, mask="causal",
+                                  config=dict(block_m=128, early_dq=False, dq_before_dk=True, ds_buffers=2)),
 }
 
 
@@ -168,14 +179,16 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
                                                      enable_gqa=Hq != Hkv)
         out.sum().backward()
 
+    config = dataclasses.replace(gluon_configs.SM90[E], **c.get("config", {}))
+    monkeypatch.setattr(gluon_configs, "SM90", {**gluon_configs.SM90, E: config})
     sources = [s for s in rendered_gluon_sources(monkeypatch, tmp_path, run, kernel="backward")
                if "def consume_keys(" in open(s).read()]
     assert sources, "no Gluon backward kernel was rendered"
     late_dp = c.get("score") is not None and E == 128
     assert all(f"LATE_DP : tl.constexpr = {late_dp}" in open(s).read() for s in sources)
-    assert all(f"EARLY_DQ : tl.constexpr = {E == 64}" in open(s).read() for s in sources)
-    assert all(f"DQ_BEFORE_DK : tl.constexpr = {E == 128}" in open(s).read() for s in sources)
-    assert all(f"DS_BUFFERS : tl.constexpr = {2 if E == 128 else 1}" in open(s).read() for s in sources)
+    expected = {"BLOCK_M": config.block_m, "EARLY_DQ": config.early_dq, "DQ_BEFORE_DK": config.dq_before_dk,
+                "DS_BUFFERS": config.ds_buffers}
+    assert all(f"{name} : tl.constexpr = {value}" in open(s).read() for s in sources for name, value in expected.items())
     rows_by_tma = E == 128 and L % 4 == 0
     assert all(f"ROWS_BY_TMA : tl.constexpr = {rows_by_tma}" in open(s).read() for s in sources)
     for report in compile_offline_for_sm90(sources):

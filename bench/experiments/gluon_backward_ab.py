@@ -2,7 +2,8 @@
 Triton template's, and where does its time go?
 
     PYTHONPATH=. python bench/experiments/gluon_backward_ab.py [--cases causal_s8192_d128,...] [--rounds 3]
-        [--variants TRITON,GLUON,GLUON:nodq,GLUON:noadd,GLUON:file:PATH]
+        [--variants TRITON,GLUON,GLUON:nodq,GLUON:noadd,GLUON:file:PATH,GLUON:cfg:NAME]
+        [--configs '{"NAME": {"64": {"block_m": 128}}}']
     PYTHONPATH=. python bench/experiments/gluon_backward_ab.py --offline OUT_DIR --variants ...   # CPU: texts only
 
 Forward+backward of flexattn's compiled flex_attention with the backward on the Triton
@@ -16,11 +17,15 @@ gradients from the first variant's. Variants of the Gluon template's text:
 - GLUON:noadd: the dQ products and their shared-memory stores, no bulk adds (dQ is 0: what
   the adds cost);
 - GLUON:file:PATH: the kernel source saved in PATH, helpers included (e.g. another
-  revision's ``gluon_kernel_source("gluon_backward")``).
+  revision's ``gluon_kernel_source("gluon_backward")``);
+- GLUON:cfg:NAME: the template as it is, compiled with the fields of ``GluonBackwardConfig``
+  that ``--configs`` gives NAME (by head dim) in place of the defaults'.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import re
 import sys
@@ -35,15 +40,12 @@ from _tuning import (allow_recompiles, compiled_own_code, install_gluon_template
                      medians_in_turn)
 
 _DQ_END = r"buf\.reshape\(\[1, 1, BLOCK_M, HALF_D\]\)\)"
-# The dQ product, its store and its add; the barriers around them stay (the other warpgroup waits on them).
-_DQ_WORK = re.compile(r"\n            dq = warpgroup_mma\(ds_smem.*?" + _DQ_END + r"\n", re.S)
+# The dQ products become zeros; the waits and barriers around them stay (the other warpgroup
+# waits on them).
+_DQ_PRODUCT = re.compile(r"dq = warpgroup_mma\(ds_tile[^\n]*")
+# The dQ half-tile's store to shared memory and its add.
+_DQ_STORE = re.compile(r"\n +buf = dq_smem\.index.*?" + _DQ_END, re.S)
 _ADD = re.compile(r"\n +tma_atomic_add\(dq_desc,[^\n]*\n[^\n]*" + _DQ_END)
-_DQ_KEEP = """
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            if EARLY_DQ:
-                mbarrier.arrive(tile_free.index(stage))
-            mbarrier.arrive(ds_free)
-"""
 
 
 def _sub_once(pattern: re.Pattern, repl: str, text: str) -> str:
@@ -55,16 +57,28 @@ def _sub_once(pattern: re.Pattern, repl: str, text: str) -> str:
 def variant_source(name: str, text: str) -> str:
     """The Gluon backward template's text for variant ``name`` (see the module docstring)."""
     kind = name.split(":", 1)[1] if ":" in name else ""
-    if kind == "":
-        return text
     if kind == "nodq":
-        return _sub_once(_DQ_WORK, _DQ_KEEP, text)
+        return _sub_once(_DQ_STORE, "", _sub_once(_DQ_PRODUCT, "dq = no_dq", text))
     if kind == "noadd":
         return _sub_once(_ADD, "", text)
+    if kind == "" or kind.startswith("cfg:"):
+        return text
     if kind.startswith("file:"):
         with open(kind[len("file:"):]) as f:
             return f.read()
     raise ValueError(f"unknown variant {name!r}")
+
+
+@contextlib.contextmanager
+def config_fields(by_head_dim: dict):
+    """The Gluon backward's default configs with ``by_head_dim``'s fields replaced, inside."""
+    from flexattn.lowering.configs import gluon_backward as configs
+    saved = configs.SM90
+    configs.SM90 = {d: dataclasses.replace(c, **by_head_dim.get(str(d), {})) for d, c in saved.items()}
+    try:
+        yield
+    finally:
+        configs.SM90 = saved
 
 
 # name: (B, H, S, D, causal)
@@ -85,6 +99,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="TRITON,GLUON")
+    parser.add_argument("--configs", default="{}", help="JSON: NAME -> head dim -> GluonBackwardConfig fields")
     parser.add_argument("--offline", metavar="OUT_DIR", help="write each Gluon variant's template text and stop")
     args = parser.parse_args()
     from flexattn.templates import gluon_kernel_source
@@ -123,7 +138,9 @@ def main() -> None:
                 fn(q, k, v).backward(grad)
 
             try:
-                step()
+                with config_fields(json.loads(args.configs).get(name.split(":cfg:", 1)[1], {})
+                                   if ":cfg:" in name else {}):
+                    step()  # the first call compiles, under the variant's config
                 grads[name] = [t.grad.clone() for t in (q, k, v)]
                 steps[name] = step
             except Exception as e:  # noqa: BLE001 - a variant that fails is a reading
