@@ -131,11 +131,11 @@ def test_bwd_backend_is_a_known_option():
 
 
 def test_the_default_tile_orders_by_head_dim():
-    """D=64: dQ's product beside dV's and dK's (EARLY_DQ); D=128: between them, two dS^T buffers
-    (bench/DECISIONS.md#gluon-backward-early-dq, #gluon-backward-dq-before-dk)."""
+    """D=64: dQ's product after dV's and dK's, all three in flight at once; D=128: between them,
+    two dS^T buffers (bench/DECISIONS.md#gluon-backward-early-dq, #gluon-backward-dq-before-dk)."""
     d64, d128 = gluon_configs.SM90[64], gluon_configs.SM90[128]
-    assert (d64.block_m, d64.early_dq, d64.dq_before_dk, d64.ds_buffers) == (64, True, False, 1)
-    assert (d128.block_m, d128.early_dq, d128.dq_before_dk, d128.ds_buffers) == (64, False, True, 2)
+    assert (d64.block_m, d64.dq_before_dk, d64.ds_buffers) == (64, False, 1)
+    assert (d128.block_m, d128.dq_before_dk, d128.ds_buffers) == (64, True, 2)
 
 
 OFFLINE_CASES = {
@@ -150,7 +150,7 @@ OFFLINE_CASES = {
     "clamped_relative_causal_d128": dict(E=128, L=256, mask="causal", score="clamped_relative"),
     # Query tiles as tall as the program's keys (a [128, 128] dS^T tile), in the dQ-before-dK order.
     "tall_tiles_causal_d64": dict(E=64, L=384, mask="causal",
-                                  config=dict(block_m=128, early_dq=False, dq_before_dk=True, ds_buffers=2)),
+                                  config=dict(block_m=128, dq_before_dk=True, ds_buffers=2)),
 }
 
 
@@ -186,8 +186,7 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
     assert sources, "no Gluon backward kernel was rendered"
     late_dp = c.get("score") is not None and E == 128
     assert all(f"LATE_DP : tl.constexpr = {late_dp}" in open(s).read() for s in sources)
-    expected = {"BLOCK_M": config.block_m, "EARLY_DQ": config.early_dq, "DQ_BEFORE_DK": config.dq_before_dk,
-                "DS_BUFFERS": config.ds_buffers}
+    expected = {"BLOCK_M": config.block_m, "DQ_BEFORE_DK": config.dq_before_dk, "DS_BUFFERS": config.ds_buffers}
     assert all(f"{name} : tl.constexpr = {value}" in open(s).read() for s in sources for name, value in expected.items())
     rows_by_tma = E == 128 and L % 4 == 0
     assert all(f"ROWS_BY_TMA : tl.constexpr = {rows_by_tma}" in open(s).read() for s in sources)
@@ -203,26 +202,24 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
 # --------------------------------------------------------------------------------------
 #: The mbarrier operations of the producer (load_tiles) and a consumer (consume_keys) in
 #: source order, as (operation, barrier, index expression), by the order of a tile's dQ
-#: product: after dV's and dK's (the Q/dO stage released before the ds_ready wait), EARLY_DQ
-#: (beside them: released after it) and DQ_BEFORE_DK (between them: released after dK's
-#: product, behind the ds_free arrival); the model below follows them.
+#: product: after dV's and dK's (the Q/dO stage released after the ds_ready wait) or, with
+#: DQ_BEFORE_DK, between them (released after dK's product, behind the ds_free arrival); the
+#: model below follows them.
 PRODUCER_OPS = [("expect", "kv_ready", None), ("wait", "tile_free", "stage"), ("expect", "q_ready", "stage"),
                 ("expect", "do_ready", "stage")]
 _TILE_START = [("wait", "kv_ready", None), ("wait", "q_ready", "stage"), ("wait", "do_ready", "stage"),
                ("wait", "ds_free", "ds_slot"), ("arrive", "ds_ready", "ds_slot")]
 _FREE_STAGE, _DS_WAIT, _DS_RELEASE = ("arrive", "tile_free", "stage"), ("wait", "ds_ready", "ds_slot"), \
     ("arrive", "ds_free", "ds_slot")
-ORDERS = {"after": (_FREE_STAGE, _DS_WAIT, _DS_RELEASE), "early_dq": (_DS_WAIT, _FREE_STAGE, _DS_RELEASE),
-          "dq_before_dk": (_DS_WAIT, _DS_RELEASE, _FREE_STAGE)}
-ORDER_FLAGS = {"after": {"EARLY_DQ": False, "DQ_BEFORE_DK": False}, "early_dq": {"EARLY_DQ": True, "DQ_BEFORE_DK": False},
-               "dq_before_dk": {"EARLY_DQ": False, "DQ_BEFORE_DK": True}}
+ORDERS = {"dq_after_dk": (_DS_WAIT, _FREE_STAGE, _DS_RELEASE), "dq_before_dk": (_DS_WAIT, _DS_RELEASE, _FREE_STAGE)}
+ORDER_FLAGS = {"dq_after_dk": {"DQ_BEFORE_DK": False}, "dq_before_dk": {"DQ_BEFORE_DK": True}}
 COUNTS = {"kv_ready": 1, "q_ready": 1, "do_ready": 1, "tile_free": 2, "ds_ready": 2, "ds_free": 2}
 
 
 def _template_ops(function: str, flags: dict[str, bool] | None = None) -> list[tuple]:
     """The function's mbarrier operations with its ``if``/``else`` blocks on the ``flags``
     constexprs (conditions over those names alone) resolved."""
-    flags = flags or ORDER_FLAGS["after"]
+    flags = flags or ORDER_FLAGS["dq_after_dk"]
     body = gluon_kernel_source("gluon_backward").split(f"def {function}(", 1)[1].split("\n@gluon.jit", 1)[0]
     kept, skipping_above, resolved = [], None, {}
     for line in body.splitlines():
@@ -248,7 +245,7 @@ def _template_ops(function: str, flags: dict[str, bool] | None = None) -> list[t
             re.findall(r"mbarrier\.(arrive|wait|expect)\((\w+)(?:\.index\(([^)]*)\))?", "\n".join(kept))]
 
 
-def _programs(tiles_per_head: list[int], stages: int, order: str = "after", ds_buffers: int = 1) -> list[list[tuple]]:
+def _programs(tiles_per_head: list[int], stages: int, order: str = "dq_after_dk", ds_buffers: int = 1) -> list[list[tuple]]:
     """The producer's and both consumers' operations for one program whose group's query
     heads list ``tiles_per_head`` query tiles; the ring's and the dS^T buffers' counts run on
     across heads."""

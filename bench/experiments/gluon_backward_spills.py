@@ -1,11 +1,11 @@
 """Does a Gluon backward variant spill on sm90, and is it the Triton release or ptxas? (issue #50)
 
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/experiments/gluon_backward_spills.py [PYTHON ...] \
-        [--other-ptxas PATH] [--dims 64,128] [--configs '{"NAME": {"early_dq": true}, ...}']
+        [--other-ptxas PATH] [--dims 64,128] [--configs '{"NAME": {"dq_before_dk": true}, ...}']
 
 No GPU needed. Renders the Gluon backward of a causal call (B=2 H=4 L=256, fp16, no
-score_mod; ``--masks`` names others) through flexattn's lowering on the CPU with EARLY_DQ forced off and on
-(`GluonBackwardConfig.early_dq`; ``--configs`` names other sets of the config's fields), then compiles each rendered module for sm90 under each
+score_mod; ``--masks`` names others) through flexattn's lowering on the CPU in each order of
+the dQ product (`GluonBackwardConfig.dq_before_dk`; ``--configs`` names other sets of the config's fields), then compiles each rendered module for sm90 under each
 PYTHON given (each with its own Triton: e.g. this one and a venv holding the GPU machine's
 Triton 3.6) and prints ptxas's spill bytes (stores and loads) and registers; ``--other-ptxas``
 also runs that ptxas on the same PTX (to tell the Triton release's code generation from its ptxas).
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--other-ptxas", default="")
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--masks", default="causal", help=f"comma-separated, of {sorted(MASKS)}")
-    parser.add_argument("--configs", default='{"EARLY_DQ=False": {"early_dq": false}, "EARLY_DQ=True": {"early_dq": true}}')
+    parser.add_argument("--configs", default='{"dq_after_dk": {"dq_before_dk": false}, "dq_before_dk": {"dq_before_dk": true}}')
     args = parser.parse_args()
     for head_dim in map(int, args.dims.split(",")):
         for mask, (name, fields) in itertools.product(args.masks.split(","), json.loads(args.configs).items()):

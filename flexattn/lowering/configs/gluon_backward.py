@@ -32,16 +32,14 @@ class GluonBackwardConfig(TileConfig):
     #: beside S^T: its accumulator then holds no registers while score_mod and mask_mod run
     #: (``late_dp_default``).
     late_dp: bool = False
-    #: Put the tile's dQ product in flight beside dV and dK (dS^T stored to shared memory
-    #: first) instead of after them (bench/DECISIONS.md#gluon-backward-early-dq).
-    early_dq: bool = False
     #: Land each query tile's log-sum-exp and delta in shared memory with its Q and dO (read
     #: there in the S^T columns' layout) instead of loading them in the consumers and spreading
     #: them through shared memory (bench/DECISIONS.md#gluon-backward-rows-by-tma).
     rows_by_tma: bool = False
-    #: Issue the tile's dQ product between dV's and dK's (dS^T stored first), so that dQ's
-    #: store and bulk add run while dK's product does (bench/DECISIONS.md#gluon-backward-dq-before-dk).
-    dq_before_dk: bool = False
+    #: Issue a tile's dQ product between dV's and dK's and store and add dQ while dK's runs,
+    #: instead of after both, all three waited together
+    #: (bench/DECISIONS.md#gluon-backward-dq-before-dk, #gluon-backward-early-dq).
+    dq_before_dk: bool = True
     #: dS^T tiles in shared memory, by tile: with two, a warpgroup writes its rows of the next
     #: tile's without waiting for the other's dQ product of this one.
     ds_buffers: int = 1
@@ -52,14 +50,13 @@ class GluonBackwardConfig(TileConfig):
     def constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_STAGES": self.num_stages,
                 "LOAD_REGS": self.load_regs, "MMA_REGS": self.mma_regs, "LATE_DP": self.late_dp,
-                "EARLY_DQ": self.early_dq, "ROWS_BY_TMA": self.rows_by_tma,
-                "DQ_BEFORE_DK": self.dq_before_dk, "DS_BUFFERS": self.ds_buffers}
+                "ROWS_BY_TMA": self.rows_by_tma, "DQ_BEFORE_DK": self.dq_before_dk, "DS_BUFFERS": self.ds_buffers}
 
 
 #: By head dim (sm90, 16-bit inputs).
 SM90: dict[int, GluonBackwardConfig] = {
-    64: GluonBackwardConfig(64, 128, 2, early_dq=True),
-    128: GluonBackwardConfig(64, 128, 2, rows_by_tma=True, dq_before_dk=True, ds_buffers=2),
+    64: GluonBackwardConfig(64, 128, 2, dq_before_dk=False),
+    128: GluonBackwardConfig(64, 128, 2, rows_by_tma=True, ds_buffers=2),
 }
 
 
