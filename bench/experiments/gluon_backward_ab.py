@@ -2,7 +2,7 @@
 Triton template's, and where does its time go?
 
     PYTHONPATH=. python bench/experiments/gluon_backward_ab.py [--cases causal_s8192_d128,...] [--rounds 3]
-        [--variants TRITON,GLUON,GLUON:nodq,GLUON:noadd,GLUON:file:PATH,GLUON:cfg:NAME]
+        [--variants TRITON,GLUON,GLUON:nodq,GLUON:noadd,GLUON:file:PATH,GLUON:rev:REVISION,GLUON:cfg:NAME]
         [--configs '{"NAME": {"64": {"block_m": 128}}}']
     PYTHONPATH=. python bench/experiments/gluon_backward_ab.py --offline OUT_DIR --variants ...   # CPU: texts only
 
@@ -18,6 +18,8 @@ gradients from the first variant's. Variants of the Gluon template's text:
   the adds cost);
 - GLUON:file:PATH: the kernel source saved in PATH, helpers included (e.g. another
   revision's ``gluon_kernel_source("gluon_backward")``);
+- GLUON:rev:REVISION: the template (and its helpers) of another git revision, which must
+  read the constexprs this tree's lowering passes;
 - GLUON:cfg:NAME: the template as it is, compiled with the fields of ``GluonBackwardConfig``
   that ``--configs`` gives NAME (by head dim) in place of the defaults'.
 """
@@ -28,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import subprocess
 import sys
 
 import torch
@@ -66,6 +69,10 @@ def variant_source(name: str, text: str) -> str:
     if kind.startswith("file:"):
         with open(kind[len("file:"):]) as f:
             return f.read()
+    if kind.startswith("rev:"):
+        return "\n".join(subprocess.run(["git", "show", f"{kind[len('rev:'):]}:flexattn/templates/{part}.py.jinja"],
+                                        capture_output=True, text=True, check=True).stdout
+                         for part in ("gluon_backward", "gluon_helpers", "common"))
     raise ValueError(f"unknown variant {name!r}")
 
 
