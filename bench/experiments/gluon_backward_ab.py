@@ -112,6 +112,7 @@ def main() -> None:
     from flexattn.templates import gluon_kernel_source
     text = gluon_kernel_source("gluon_backward")
     variants = args.variants.split(",")
+    config_sets = json.loads(args.configs)
     if args.offline:
         for name in variants:
             if name.startswith("GLUON"):
@@ -145,8 +146,7 @@ def main() -> None:
                 fn(q, k, v).backward(grad)
 
             try:
-                with config_fields(json.loads(args.configs).get(name.split(":cfg:", 1)[1], {})
-                                   if ":cfg:" in name else {}):
+                with config_fields(config_sets.get(name.split(":cfg:", 1)[1], {}) if ":cfg:" in name else {}):
                     step()  # the first call compiles, under the variant's config
                 grads[name] = [t.grad.clone() for t in (q, k, v)]
                 steps[name] = step

@@ -5,10 +5,11 @@
 
 No GPU needed. Renders the Gluon backward of a causal call (B=2 H=4 L=256, fp16, no
 score_mod; ``--masks`` names others) through flexattn's lowering on the CPU in each order of
-the dQ product (`GluonBackwardConfig.dq_before_dk`; ``--configs`` names other sets of the config's fields), then compiles each rendered module for sm90 under each
-PYTHON given (each with its own Triton: e.g. this one and a venv holding the GPU machine's
-Triton 3.6) and prints ptxas's spill bytes (stores and loads) and registers; ``--other-ptxas``
-also runs that ptxas on the same PTX (to tell the Triton release's code generation from its ptxas).
+the dQ product (`GluonBackwardConfig.dq_before_dk`; ``--configs`` names other sets of the
+config's fields), then compiles each rendered module for sm90 under each PYTHON given (each
+with its own Triton: e.g. this one and a venv holding the GPU machine's Triton 3.6) and prints
+ptxas's spill bytes (stores and loads), registers and shared memory; ``--other-ptxas`` also
+runs that ptxas on the same PTX (to tell the Triton release's code generation from its ptxas).
 """
 from __future__ import annotations
 
