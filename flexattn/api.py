@@ -35,9 +35,14 @@ from . import options as _options
 from ._hop import NO_Q_BLOCKS_ERROR, MissingQBlocksError, call_dropout, flex_attention_hop, identity_score_mod
 from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, noop_mask, sliced_mask_mod, tile_for_call
 from .cpu import uses_engine
-from .lowering.configs.gluon_forward import PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS
+from .lowering.configs import gluon_backward as _gluon_backward_configs
+from .lowering.configs import gluon_forward as _gluon_forward_configs
 from .mod_signature import required_positional_count
 from .reference import attention_probabilities, dense_math
+
+#: Head dims where a BlockMask's partial_heavy picks the forward or the backward kernel.
+_PARTIAL_HEAVY_HEAD_DIMS = frozenset(_gluon_forward_configs.PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS
+                                     + _gluon_backward_configs.PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS)
 
 log = logging.getLogger("flexattn.api")
 
@@ -467,8 +472,7 @@ def flex_attention(
     internal = {"DEFAULT_MASK": default_mask, "CODE_VERSION": CODE_VERSION}
     if dropout_p:
         internal["DROPOUT_P"] = dropout_p
-    if (block_mask.partial_heavy is not None and query.is_cuda
-            and query.size(-1) in PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS):
+    if block_mask.partial_heavy is not None and query.is_cuda and query.size(-1) in _PARTIAL_HEAVY_HEAD_DIMS:
         # Only where it picks the kernel: elsewhere a listing that changes between masks
         # would recompile for nothing.
         internal["MASK_PARTIAL_HEAVY"] = block_mask.partial_heavy

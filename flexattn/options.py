@@ -200,9 +200,9 @@ OPTIONS: tuple[KernelOption, ...] = (
     KernelOption("DROPOUT_P", "float", 0.0, ("forward", "backward"),
                  "flex_attention's dropout_p: the kernels drop each probability with it and scale the kept ones "
                  "(the seed is an operator argument)", public=False),
-    KernelOption("MASK_PARTIAL_HEAVY", "tristate", None, ("forward",),
+    KernelOption("MASK_PARTIAL_HEAVY", "tristate", None, ("forward", "backward"),
                  "the BlockMask's partial_heavy (nearly all listed blocks partial), where create_block_mask knew it: "
-                 "the forward kernel's choice for a mask_mod that reads captured tensors", public=False),
+                 "the forward and backward kernels' choice for a mask_mod that reads captured tensors", public=False),
     KernelOption("CODE_VERSION", "str", "", (),
                  "a digest of flexattn's lowering and templates, so Inductor's FX-graph cache never reuses a graph "
                  "compiled by another version", public=False),

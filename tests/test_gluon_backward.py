@@ -56,14 +56,46 @@ def test_the_backend_option_forces_either_kernel():
     (dict(q_len=4096, kv_len=4096, work=2 ** 36 - 1), "triton", "a small call (batch x heads x queries x keys "
                                                                "x head dim 68719476735 < 2**36)"),
     (dict(work=None), "gluon", "long sequences"),
-    (dict(mask_reads_memory=True), "triton", "a mask_mod reading captured tensors"),
+    (dict(mask_reads_memory=True), "gluon", "long sequences"),
+    (dict(mask_reads_memory=True, partial_heavy=False), "gluon", "long sequences"),
+    (dict(mask_reads_memory=True, partial_heavy=True), "triton",
+     "a mask_mod reading captured tensors on nearly all partial blocks"),
+    (dict(mask_reads_memory=True, partial_heavy=True, qk_head_dim=64, v_head_dim=64), "gluon", "long sequences"),
+    (dict(partial_heavy=True), "gluon", "long sequences"),
     (dict(dtype=torch.float32), "triton", "dtype torch.float32"),
     (dict(buffer_grads=True), "triton", "gradients of captured tensors"),
 ])
-def test_auto_takes_the_gluon_backward_for_long_calls_without_memory_masks(change, kernel, reason):
+def test_auto_takes_the_gluon_backward_for_long_calls(change, kernel, reason):
     plan = plan_backward(dataclasses.replace(HOPPER_CALL, backend="AUTO", **change))
     assert plan.kernel == kernel
     assert reason in plan.reason
+
+
+@pytest.mark.triton_kernels
+def test_the_backward_lowering_reads_the_mask_and_its_listing(monkeypatch, flexattn_kernels):
+    """The backward's plan sees whether the mask_mod reads captured tensors and the
+    BlockMask's partial_heavy that flex_attention hands the operator (here the operator is
+    called directly: flex_attention records it for CUDA calls only)."""
+    from flexattn._hop import flex_attention_hop, identity_score_mod
+    from flexattn.lowering import backward as backward_lowering
+
+    seen = []
+    plan = backward_lowering.plan_backward
+    monkeypatch.setattr(backward_lowering, "plan_backward", lambda inputs: seen.append(inputs) or plan(inputs))
+    B, H, n = 1, 2, 48
+    q, k, v = (harness.randn(harness.generator(i), B, H, n, 16, dtype=torch.float16, requires_grad=True)
+               for i in range(3))
+    docs = (torch.arange(n, device=DEVICE) >= 20).to(torch.int32)
+    bm = flexattn.create_block_mask(mods.document_mask(docs), None, None, n, n, device=DEVICE, BLOCK_SIZE=16)
+    options = {**flexattn.options.internal_options(MASK_PARTIAL_HEAVY=True), "OUTPUT_LOGSUMEXP": True}
+    torch._dynamo.reset()
+
+    def attend(q, k, v):
+        return flex_attention_hop(q, k, v, identity_score_mod, bm.as_tuple(), 0.25, options, (), ())[0]
+
+    torch.compile(attend, backend="inductor", fullgraph=True)(q, k, v).sum().backward()
+    assert seen, "the backward lowering planned no kernel"
+    assert seen[0].mask_reads_memory and seen[0].partial_heavy is True
 
 
 @pytest.mark.parametrize("change, reason", [

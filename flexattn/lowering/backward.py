@@ -301,6 +301,7 @@ def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_s
                                                 (grad_out, "output gradient"))),
         backend=_options.read(kernel_options, "BWD_BACKEND"),
         mask_reads_memory=common.mask_reads_memory(mask_mod_buffers),
+        partial_heavy=_options.read_internal(kernel_options, "MASK_PARTIAL_HEAVY"),
         q_len=common.static_size(query.get_size()[-2]),
         kv_len=common.static_size(key.get_size()[-2]),
         work=call_work(query, key),

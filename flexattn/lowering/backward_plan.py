@@ -3,9 +3,10 @@ Hopper (``templates/gluon_backward.py.jinja``).
 
 A pure function of a frozen ``BackwardInputs``. kernel_options BWD_BACKEND="GLUON" forces
 the Gluon kernel (a ValueError naming the obstacle where it cannot run the call); AUTO
-takes it for long, large calls whose mask_mod reads no captured tensors, where it measured
-faster, and the Triton template otherwise (bench/DECISIONS.md#gluon-backward-default,
-#gluon-backward-small-calls).
+takes it for long, large calls, where it measured faster, but for a mask_mod reading captured
+tensors on nearly all partial blocks at D=128, and the Triton template otherwise
+(bench/DECISIONS.md#gluon-backward-default, #gluon-backward-small-calls,
+#gluon-backward-memory-masks).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class BackwardInputs:
     backend: str
     #: The mask_mod reads captured tensors.
     mask_reads_memory: bool = False
+    #: The BlockMask's partial_heavy (nearly all listed blocks partial; None: not known).
+    partial_heavy: bool | None = None
     #: Query and key lengths (None: symbolic, one kernel for every length).
     q_len: int | None = None
     kv_len: int | None = None
@@ -100,6 +103,8 @@ def plan_backward(inputs: BackwardInputs) -> BackwardPlan:
         return BackwardPlan("triton", f"a small call (batch x heads x queries x keys x head dim {inputs.work} "
                                       f"< 2**{gluon_configs.AUTO_MIN_WORK.bit_length() - 1}): the Triton backward's "
                                       f"launch costs the host less")
-    if inputs.mask_reads_memory:
-        return BackwardPlan("triton", "a mask_mod reading captured tensors: the Triton backward measured faster")
+    if (inputs.mask_reads_memory and inputs.partial_heavy
+            and inputs.qk_head_dim in gluon_configs.PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS):
+        return BackwardPlan("triton", "a mask_mod reading captured tensors on nearly all partial blocks: the "
+                                      "Triton backward measured faster")
     return BackwardPlan("gluon", "sm90, 16-bit, TMA-ready layouts, long sequences")

@@ -61,8 +61,7 @@ SM90: dict[int, GluonBackwardConfig] = {
 
 
 #: AUTO takes the Gluon backward for calls whose query and key lengths both reach this, by head
-#: dim (and whose mask_mod reads no captured tensors): shorter calls ran slower on it (H200,
-#: bench/DECISIONS.md#gluon-backward-default).
+#: dim: shorter calls ran slower on it (H200, bench/DECISIONS.md#gluon-backward-default).
 AUTO_MIN_LENGTH: dict[int, int] = {64: 8192, 128: 4096}
 
 #: AUTO also needs batch x query heads x queries x keys x head dim of at least this: below
@@ -70,6 +69,12 @@ AUTO_MIN_LENGTH: dict[int, int] = {64: 8192, 128: 4096}
 #: descriptors it builds on the device, and two more kernels for the float32 dQ)
 #: (bench/DECISIONS.md#gluon-backward-small-calls).
 AUTO_MIN_WORK = 2 ** 36
+
+#: Head dims where AUTO leaves a mask_mod that reads captured tensors on a BlockMask of nearly
+#: all partial blocks (``BlockMask.partial_heavy``) to the Triton backward: every score there
+#: waits on the mask's gathers, which its more warps per tile overlap; every other memory mask
+#: ran faster on the Gluon backward (bench/DECISIONS.md#gluon-backward-memory-masks).
+PARTIAL_HEAVY_MEMORY_MASK_TRITON_HEAD_DIMS = (128,)
 
 
 #: Head dims at which a call whose mods hold index tiles issues dP^T late (``late_dp``): at
