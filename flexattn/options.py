@@ -148,8 +148,9 @@ OPTIONS: tuple[KernelOption, ...] = (
     KernelOption("BWD_BACKEND", "str", "AUTO", _BWD,
                  "which backward kernel: AUTO (flexattn's choice: the warp-specialised Hopper backward for "
                  "queries and keys of 4096 or more at head dim 128 and 8192 or more at 64, batch x heads x "
-                 "queries x keys x head dim of 2**36 or more, whose mask_mod reads no captured tensors, else the "
-                 "Triton template), TRITON, GLUON (the Hopper backward; an error "
+                 "queries x keys x head dim of 2**36 or more, but at head dim 128 for a mask_mod reading captured "
+                 "tensors on a BlockMask of nearly all partial blocks, else the Triton template), TRITON, GLUON "
+                 "(the Hopper backward; an error "
                  "where it does not cover the call)",
                  choices=("AUTO", "TRITON", "GLUON")),
     KernelOption("BWD_LATE_DP", "tristate", PER_CALL, _BWD,
