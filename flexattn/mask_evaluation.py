@@ -209,22 +209,31 @@ def traced_block_flags(
     never sees an index out of range) and then left out of the reduction, so one trace
     serves all sizes and takes them symbolically. The element mask is built whole, as
     torch's create_block_mask does; Inductor fuses it into the reduction.
+
+    A static query length shorter than the tile (a decoding step, a prefill chunk) is one
+    tile of its own rows: padded to the tile, a one-query step would evaluate the mask 128
+    times over.
     """
     QB, KVB = cdiv(Q_LEN, q_block), cdiv(KV_LEN, kv_block)
+    q_rows = Q_LEN if isinstance(Q_LEN, int) and Q_LEN < q_block else q_block
     with torch.no_grad():
-        q = torch.arange(QB * q_block, device=device)
+        q = torch.arange(QB * q_rows, device=device)
         kv = torch.arange(KVB * kv_block, device=device)
         b, h = torch.arange(B, device=device), torch.arange(H, device=device)
         allowed = evaluate_mask(mask_mod, b, h, q.clamp(max=Q_LEN - 1), kv.clamp(max=KV_LEN - 1))
         inside = (q < Q_LEN).unsqueeze(-1) & (kv < KV_LEN)
 
         def per_tile(flags: Tensor) -> Tensor:
-            return flags.view(*flags.shape[:2], QB, q_block, KVB, kv_block)
+            return flags.view(*flags.shape[:2], QB, q_rows, KVB, kv_block)
 
         # Padded positions count as masked: a tile hanging over an end is never full, as
         # in the chunked path.
         any_blocks = per_tile(allowed & inside).any(-1).any(-2)
-        all_blocks = per_tile(allowed & inside).all(-1).all(-2)
+        if q_rows < q_block:
+            # The tile's rows past the query length are padding: never full.
+            all_blocks = torch.zeros_like(any_blocks)
+        else:
+            all_blocks = per_tile(allowed & inside).all(-1).all(-2)
     return any_blocks, all_blocks
 
 

@@ -773,7 +773,8 @@ def test_create_block_mask_traced_by_torch_compile(device):
 
 
 @pytest.mark.parametrize("case", ["causal", "document_per_batch", "head_dependent", "some_rows_empty", "all_false"])
-@pytest.mark.parametrize("size", [(1, 1), (129, 129), (1000, 129), (300, 700)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("size", [(1, 1), (5, 300), (129, 129), (1000, 129), (300, 700)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("block_size", [(128, 128), (64, 128), (128, 32)], ids=str)
 def test_whole_grid_flags_of_a_trace_equal_the_chunked_ones(case, size, block_size):
     """The branch-free evaluation create_block_mask uses under torch.compile (padded to
@@ -785,6 +786,21 @@ def test_whole_grid_flags_of_a_trace_equal_the_chunked_ones(case, size, block_si
     chunked = mask_evaluation.chunked_block_flags(mask_mod, 2, 3, Q, KV, torch.device(CPU), *block_size,
                                                   chunk_elements=bm.MASK_CHUNK_BYTES // bm.BYTES_PER_MASK_ELEMENT)
     assert torch.equal(traced[0], chunked[0]) and torch.equal(traced[1], chunked[1])
+
+
+def test_a_trace_evaluates_a_short_query_length_only_at_its_rows():
+    """A static query length under the tile (a decoding step) is evaluated at its own rows,
+    not padded to the tile's 128: the mask_mod sees one query row for a one-query step."""
+    rows = []
+
+    def recording(b, h, q_idx, kv_idx):
+        rows.append(q_idx.numel())
+        return kv_idx <= q_idx + 40
+
+    any_blocks, all_blocks = mask_evaluation.traced_block_flags(recording, 2, 3, 1, 300, torch.device(CPU), 128, 128)
+    assert rows == [1]
+    assert any_blocks.tolist() == [[[[True, False, False]]] * 3] * 2
+    assert not all_blocks.any()
 
 
 def test_create_block_mask_takes_symbolic_lengths_in_a_fullgraph_trace():
