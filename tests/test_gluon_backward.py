@@ -170,6 +170,21 @@ def test_the_default_tile_orders_by_head_dim():
     assert (d128.block_m, d128.dq_before_dk, d128.ds_buffers) == (64, True, 2)
 
 
+def test_unmodified_calls_at_d64_take_tall_tiles():
+    """flex_attention's own mask with no score_mod at D=64: 128x128 tiles, dQ before dK, two
+    dS^T buffers (bench/DECISIONS.md#gluon-backward-tall-tiles); any mod keeps 64x128, as
+    does D=128; the BlockMask's block must hold the taller tile."""
+    tall = gluon_configs.config_for(64, unmodified=True)
+    assert (tall.block_m, tall.block_n, tall.dq_before_dk, tall.ds_buffers) == (128, 128, True, 2)
+    assert gluon_configs.config_for(64, unmodified=False) == gluon_configs.SM90[64]
+    assert gluon_configs.config_for(128, unmodified=True) == gluon_configs.SM90[128]
+    d64 = dataclasses.replace(HOPPER_CALL, qk_head_dim=64, v_head_dim=64, backend="AUTO")
+    assert plan_backward(dataclasses.replace(d64, unmodified=True)).kernel == "gluon"
+    plan = plan_backward(dataclasses.replace(d64, unmodified=True, sparse_q=64))
+    assert plan.kernel == "triton" and "BlockMask block size (64, 128)" in plan.reason
+    assert plan_backward(dataclasses.replace(d64, sparse_q=64)).kernel == "gluon"
+
+
 OFFLINE_CASES = {
     "causal_d128": dict(E=128, L=256, mask="causal"),
     "no_mask_odd_d128": dict(E=128, L=200, mask=None),
@@ -345,6 +360,8 @@ GPU_CASES = {
     "causal_d128": dict(E=128, L=1000, S=1000, mods=(None, mods.causal_mask)),
     "causal_d64": dict(E=64, L=640, S=640, mods=(None, mods.causal_mask)),
     "no_mask_odd_d128": dict(E=128, L=255, S=300, default_mask=True),
+    # The unmodified calls' tall tiles (UNMODIFIED_SM90) at lengths no tile divides.
+    "no_mask_odd_d64": dict(E=64, L=255, S=300, default_mask=True),
     "alibi_causal_d64": dict(E=64, L=512, S=512, alibi=True),
     "softcap_d128": dict(E=128, L=384, S=384, mods=(mods.tanh_softcap(30.0), None)),
     "clamped_relative_causal_d128": dict(E=128, L=500, S=500, clamped_relative=True),

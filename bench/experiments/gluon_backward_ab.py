@@ -78,14 +78,16 @@ def variant_source(name: str, text: str) -> str:
 
 @contextlib.contextmanager
 def config_fields(by_head_dim: dict):
-    """The Gluon backward's default configs with ``by_head_dim``'s fields replaced, inside."""
+    """The Gluon backward's default configs (unmodified calls' too) with ``by_head_dim``'s fields
+    replaced, inside."""
     from flexattn.lowering.configs import gluon_backward as configs
-    saved = configs.SM90
-    configs.SM90 = {d: dataclasses.replace(c, **by_head_dim.get(str(d), {})) for d, c in saved.items()}
+    saved = configs.SM90, configs.UNMODIFIED_SM90
+    configs.SM90, configs.UNMODIFIED_SM90 = ({d: dataclasses.replace(c, **by_head_dim.get(str(d), {}))
+                                             for d, c in table.items()} for table in saved)
     try:
         yield
     finally:
-        configs.SM90 = saved
+        configs.SM90, configs.UNMODIFIED_SM90 = saved
 
 
 # name: (B, H, S, D, causal)

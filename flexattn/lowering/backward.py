@@ -192,7 +192,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
             late_dp = gluon_backward_configs.late_dp_default(
                 spec["QK_HEAD_DIM"], reads_positions(fw_graph.graph_module),
                 divides_by_non_power_of_two(call.mask_graph.graph_module))
-        cfg = gluon_backward_configs.SM90[spec["QK_HEAD_DIM"]]
+        cfg = gluon_backward_configs.config_for(spec["QK_HEAD_DIM"], spec["DENSE_KV"] and not spec["HAS_SCORE_MOD"])
         # The rows' statistics by the copy engine only where it can read them (query lengths a
         # multiple of 4 and aligned buffers).
         rows_by_tma = cfg.rows_by_tma and common.first_tma_obstacle(
@@ -305,4 +305,5 @@ def backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_s
         q_len=common.static_size(query.get_size()[-2]),
         kv_len=common.static_size(key.get_size()[-2]),
         work=call_work(query, key),
+        unmodified=common.dense_kv(kernel_options, call.has_full_blocks) and not call.has_score_mod,
     )

@@ -50,6 +50,8 @@ class BackwardInputs:
     kv_len: int | None = None
     #: batch x query heads x queries x keys x QK head dim (None: a size is symbolic).
     work: int | None = None
+    #: flex_attention's own mask (DENSE_KV) and no score_mod: the tile may differ.
+    unmodified: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def gluon_obstacle(inputs: BackwardInputs) -> str | None:
     if inputs.qk_head_dim != inputs.v_head_dim or inputs.qk_head_dim not in gluon_configs.SM90:
         return (f"head dims {inputs.qk_head_dim}/{inputs.v_head_dim} (the Gluon backward takes equal head dims "
                 f"in {sorted(gluon_configs.SM90)})")
-    cfg = gluon_configs.SM90[inputs.qk_head_dim]
+    cfg = gluon_configs.config_for(inputs.qk_head_dim, inputs.unmodified)
     if inputs.sparse_q % cfg.block_m or inputs.sparse_kv % cfg.block_n:
         return (f"BlockMask block size ({inputs.sparse_q}, {inputs.sparse_kv}) is not a multiple of the "
                 f"Gluon backward's tile ({cfg.block_m}, {cfg.block_n})")

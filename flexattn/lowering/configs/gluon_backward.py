@@ -59,6 +59,18 @@ SM90: dict[int, GluonBackwardConfig] = {
     128: GluonBackwardConfig(64, 128, 2, rows_by_tma=True, ds_buffers=2),
 }
 
+#: By head dim, for unmodified calls (flex_attention's own mask, no score_mod): at D=64 query
+#: tiles as tall as the program's keys, which lost on a causal mask
+#: (bench/DECISIONS.md#gluon-backward-tall-tiles).
+UNMODIFIED_SM90: dict[int, GluonBackwardConfig] = {
+    64: GluonBackwardConfig(128, 128, 2, ds_buffers=2),
+}
+
+
+def config_for(head_dim: int, unmodified: bool) -> GluonBackwardConfig:
+    """The call's configuration (``unmodified``: flex_attention's own mask and no score_mod)."""
+    return (UNMODIFIED_SM90.get(head_dim) if unmodified else None) or SM90[head_dim]
+
 
 #: AUTO takes the Gluon backward for calls whose query and key lengths both reach this, by head
 #: dim: shorter calls ran slower on it (H200, bench/DECISIONS.md#gluon-backward-default).
