@@ -195,9 +195,9 @@ OFFLINE_CASES = {
     "gqa_documents_d128": dict(E=128, L=256, mask="documents", Hq=4, Hkv=2),
     # Inductor's max/min helpers in the score_mod and its gradient (the Gluon helpers' versions).
     "clamped_relative_causal_d128": dict(E=128, L=256, mask="causal", score="clamped_relative"),
-    # Query tiles as tall as the program's keys (a [128, 128] dS^T tile), in the dQ-before-dK order.
-    "tall_tiles_causal_d64": dict(E=64, L=384, mask="causal",
-                                  config=dict(block_m=128, dq_before_dk=True, ds_buffers=2)),
+    # An unmodified call's query tiles as tall as the program's keys (a [128, 128] dS^T tile,
+    # UNMODIFIED_SM90), in the dQ-before-dK order, at a length no tile divides.
+    "tall_tiles_no_mask_odd_d64": dict(E=64, L=200, mask=None),
 }
 
 
@@ -226,8 +226,7 @@ def test_rendered_backward_compiles_for_sm90(case, monkeypatch, tmp_path):
                                                      enable_gqa=Hq != Hkv)
         out.sum().backward()
 
-    config = dataclasses.replace(gluon_configs.SM90[E], **c.get("config", {}))
-    monkeypatch.setattr(gluon_configs, "SM90", {**gluon_configs.SM90, E: config})
+    config = gluon_configs.config_for(E, unmodified=c["mask"] is None and c.get("score") is None)
     sources = [s for s in rendered_gluon_sources(monkeypatch, tmp_path, run, kernel="backward")
                if "def consume_keys(" in open(s).read()]
     assert sources, "no Gluon backward kernel was rendered"
