@@ -148,8 +148,9 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
     grad_score_buffer = build_mod_buffer(graph_returning(joint_gm, joint_outputs(joint_gm)[0]), JOINT_ARGS, dtype,
                                          device, captured, "score_mod's gradient (joint graph)",
                                          fast_tanh=call.fast_tanh, out_dtype=stats_dtype(dtype))
-    plan = plan_backward(backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, any(wants),
-                                         mask_mod_buffers))
+    plan_inputs = backward_inputs(query, key, value, grad_out, call, kernel_options, dropout_seed, any(wants),
+                                  mask_mod_buffers)
+    plan = plan_backward(plan_inputs)
     log.info("flexattn: backward kernel %s (%s)", "Gluon" if plan.kernel == "gluon" else "Triton", plan.reason)
     gluon = plan.kernel == "gluon"
     # The Gluon backward adds dQ with float32 atomics (its DQ_ATOMIC form).
@@ -192,7 +193,7 @@ def lower_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, 
             late_dp = gluon_backward_configs.late_dp_default(
                 spec["QK_HEAD_DIM"], reads_positions(fw_graph.graph_module),
                 divides_by_non_power_of_two(call.mask_graph.graph_module))
-        cfg = gluon_backward_configs.config_for(spec["QK_HEAD_DIM"], spec["DENSE_KV"] and not spec["HAS_SCORE_MOD"])
+        cfg = gluon_backward_configs.config_for(spec["QK_HEAD_DIM"], plan_inputs.unmodified)
         # The rows' statistics by the copy engine only where it can read them (query lengths a
         # multiple of 4 and aligned buffers).
         rows_by_tma = cfg.rows_by_tma and common.first_tma_obstacle(
